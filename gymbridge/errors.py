@@ -1,0 +1,153 @@
+"""The whole gymbridge exception tree.
+
+Every error gymbridge raises on purpose derives from :class:`GymbridgeError`;
+lower-level exceptions (pydantic, httpx, aiohttp, PIL, av, soundfile) are mapped
+to these in one place per boundary, so callers never have to catch a third-party
+type. Programming mistakes (wrong argument types, misuse of an API) stay builtin
+exceptions (``TypeError``, ``ValueError``).
+
+::
+
+    GymbridgeError
+    ├── ProtocolError          a JSON body does not match the NeMo Gym wire shape
+    │                          (wraps the pydantic ValidationError as __cause__)
+    ├── MediaError             a media reference could not become a MediaItem
+    │   ├── MediaPolicyError   refused by the MediaPolicy (permanent: never retry)
+    │   ├── MediaFetchError    reading the bytes failed; ``retryable`` says whether
+    │   │                      trying again could help (timeout, 5xx) or not (404)
+    │   └── MediaDecodeError   the bytes are not a valid image / audio / video
+    ├── TrajectoryError        a Gym result cannot become trainable turns;
+    │                          ``item_index`` names the output item at fault
+    ├── EnvError               talking to an environment / agent / model server
+    │   ├── EnvServerError     the server answered with an error status
+    │   │                      (``status``, ``body``, ``server``)
+    │   ├── EnvTransportError  the connection failed or broke mid-body
+    │   └── EnvTimeoutError    the deadline passed
+    └── ConfigError            a configuration is invalid; ``problems`` lists
+                               every problem found, not just the first
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "ConfigError",
+    "EnvError",
+    "EnvServerError",
+    "EnvTimeoutError",
+    "EnvTransportError",
+    "GymbridgeError",
+    "MediaDecodeError",
+    "MediaError",
+    "MediaFetchError",
+    "MediaPolicyError",
+    "ProtocolError",
+    "TrajectoryError",
+]
+
+
+class GymbridgeError(Exception):
+    """Root of every error gymbridge raises on purpose."""
+
+
+class ProtocolError(GymbridgeError):
+    """A JSON body does not match the NeMo Gym wire shape.
+
+    The underlying ``pydantic.ValidationError`` (when there is one) is chained
+    as ``__cause__``; ``errors`` holds its structured error list.
+    """
+
+    def __init__(self, message: str, *, errors: Sequence[object] = ()) -> None:
+        super().__init__(message)
+        self.errors = list(errors)
+
+
+class MediaError(GymbridgeError):
+    """A media reference could not be turned into a usable ``MediaItem``.
+
+    ``source`` is the (shortened) reference that failed.
+    """
+
+    def __init__(self, message: str, *, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+
+
+class MediaPolicyError(MediaError):
+    """Refused by the :class:`~gymbridge.media.MediaPolicy`; permanent."""
+
+
+class MediaFetchError(MediaError):
+    """Reading the media bytes failed.
+
+    ``retryable`` is True where trying again could succeed (timeout, connection
+    reset, 5xx) and False where it cannot (404, missing file).
+    """
+
+    def __init__(self, message: str, *, source: str | None = None, retryable: bool = False) -> None:
+        super().__init__(message, source=source)
+        self.retryable = retryable
+
+
+class MediaDecodeError(MediaError):
+    """The bytes are not a valid (or are a hostile) image, audio or video."""
+
+
+class TrajectoryError(GymbridgeError):
+    """A Gym result cannot be turned into trainable turns.
+
+    ``item_index`` is the index of the offending item in ``response.output``
+    (``None`` when the fault is not tied to one item, e.g. a bad reward).
+    """
+
+    def __init__(self, message: str, *, item_index: int | None = None) -> None:
+        if item_index is not None:
+            message = f"output item {item_index}: {message}"
+        super().__init__(message)
+        self.item_index = item_index
+
+
+class EnvError(GymbridgeError):
+    """Base of the errors met while talking to a Gym server over HTTP."""
+
+    def __init__(self, message: str, *, server: str | None = None) -> None:
+        super().__init__(message)
+        self.server = server
+
+
+class EnvServerError(EnvError):
+    """The server answered with an error status.
+
+    ``status`` is the HTTP status, ``body`` the (possibly truncated) body text,
+    ``server`` the URL or name of the server.
+    """
+
+    def __init__(self, message: str, *, status: int, body: str = "", server: str | None = None) -> None:
+        super().__init__(message, server=server)
+        self.status = status
+        self.body = body
+
+    @property
+    def retryable(self) -> bool:
+        """Infrastructure faults (5xx, 408, 429) are worth retrying; other 4xx are not."""
+        return self.status >= 500 or self.status in (408, 429)
+
+
+class EnvTransportError(EnvError):
+    """The connection failed, was refused, or broke in the middle of a body."""
+
+
+class EnvTimeoutError(EnvError):
+    """The deadline passed before the server answered."""
+
+
+class ConfigError(GymbridgeError):
+    """A configuration is invalid. ``problems`` lists every problem found."""
+
+    def __init__(self, problems: Sequence[str], *, source: str | None = None) -> None:
+        self.problems = list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{len(self.problems)} configuration problem(s){where}:\n{lines}")

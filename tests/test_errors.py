@@ -1,0 +1,52 @@
+"""The error tree: shape, context carried, retry classification."""
+
+from __future__ import annotations
+
+import pytest
+
+from gymbridge import errors as E
+
+
+@pytest.mark.parametrize(
+    ("cls", "parent"),
+    [
+        (E.ProtocolError, E.GymbridgeError),
+        (E.MediaError, E.GymbridgeError),
+        (E.MediaPolicyError, E.MediaError),
+        (E.MediaFetchError, E.MediaError),
+        (E.MediaDecodeError, E.MediaError),
+        (E.TrajectoryError, E.GymbridgeError),
+        (E.EnvServerError, E.EnvError),
+        (E.EnvTransportError, E.EnvError),
+        (E.EnvTimeoutError, E.EnvError),
+        (E.EnvError, E.GymbridgeError),
+        (E.ConfigError, E.GymbridgeError),
+    ],
+)
+def test_tree(cls: type[Exception], parent: type[Exception]) -> None:
+    assert issubclass(cls, parent)
+    assert cls.__name__ in (E.__doc__ or "")
+
+
+def test_trajectory_error_names_item() -> None:
+    err = E.TrajectoryError("logprobs length 3 != generation length 4", item_index=5)
+    assert err.item_index == 5
+    assert "output item 5" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("status", "retryable"),
+    [(500, True), (503, True), (408, True), (429, True), (400, False), (422, False), (404, False)],
+)
+def test_server_error_retry_class(status: int, retryable: bool) -> None:
+    assert E.EnvServerError("x", status=status).retryable is retryable
+
+
+def test_config_error_lists_every_problem() -> None:
+    err = E.ConfigError(["a: missing", "b: must be > 0"], source="cfg.yaml")
+    assert err.problems == ["a: missing", "b: must be > 0"]
+    assert "a: missing" in str(err) and "b: must be > 0" in str(err) and "cfg.yaml" in str(err)
+
+
+def test_media_fetch_error_carries_retryable() -> None:
+    assert E.MediaFetchError("timeout", source="http://x", retryable=True).retryable
