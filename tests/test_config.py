@@ -1,0 +1,58 @@
+"""Config loading: every problem reported at once, env expansion, unknown keys rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gymbridge.config import StrictModel, load_config
+from gymbridge.errors import ConfigError
+
+
+class Inner(StrictModel):
+    port: int
+    host: str = "127.0.0.1"
+
+
+class Cfg(StrictModel):
+    name: str
+    group_size: int
+    inner: Inner
+
+
+def test_loads_yaml_with_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GB_NAME", "demo")
+    p = tmp_path / "c.yaml"
+    p.write_text("name: ${GB_NAME}\ngroup_size: 4\ninner: {port: 8000, host: '${GB_HOST:-localhost}'}\n")
+    cfg = load_config(p, Cfg)
+    assert cfg.name == "demo"
+    assert cfg.inner.host == "localhost"
+    assert cfg.inner.port == 8000
+
+
+def test_every_problem_listed(tmp_path: Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("group_size: many\ninner: {port: x, colour: red}\nname: ${GB_SURELY_UNSET_VAR}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p, Cfg)
+    problems = ei.value.problems
+    joined = "\n".join(problems)
+    assert "GB_SURELY_UNSET_VAR" in joined
+    assert "group_size" in joined
+    assert "inner.port" in joined
+    assert "inner.colour" in joined  # unknown keys are errors, not ignored
+    assert str(p) in str(ei.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml", Cfg)
+    bad = tmp_path / "b.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad, Cfg)
+    top = tmp_path / "t.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(top, Cfg)
