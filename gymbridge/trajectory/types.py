@@ -16,7 +16,9 @@ Invariants (checked where a ``Trajectory`` is built, see ``from_gym_result``):
   exactly on generated tokens; ``logprobs(s)`` is the generation logprob there
   and 0.0 elsewhere. The three views are aligned and of equal length;
 * ``turn.media`` holds the media that arrived since the previous turn (the first
-  turn owns the initial media), in order of appearance;
+  turn owns the initial media), in order of appearance; the first turn of a later
+  segment owns every media item of the conversation so far, because its prompt is
+  the whole conversation re-rendered (placeholders for all of them);
 * ``reward`` is finite; ``reward_components``, when non-empty, sum to ``reward``.
 """
 
@@ -49,6 +51,10 @@ class Turn:
     generation_logprobs: list[float]
     media: list[MediaItem] = field(default_factory=list)
     tool_name: str | None = None
+    """Name of the called tool for a ``function_call`` turn."""
+    tool_names: list[str] = field(default_factory=list)
+    """Every tool the producing model call invoked, in order (parallel calls put the
+    token fields on the last ``function_call`` only)."""
     invalid_tool_call: bool = False
     """Tool-call markup was left in plain text instead of becoming a function_call."""
     malformed_thinking: bool = False
