@@ -1,0 +1,120 @@
+"""``BatchingGenerator``: gathers concurrent single requests into batched ``generate`` calls.
+
+The model server and concurrent native rollouts each ask for one generation at a
+time; a transformers model is far cheaper per row when rows share a forward pass.
+This wrapper queues requests, waits up to ``window_s`` after the first one for
+more, groups the queued requests by their (hashable) :class:`SamplingConfig` and
+hands each group to the wrapped generator as one call.
+
+Invariants: every request gets exactly its own result or its own exception (a
+failing batch is retried row by row, so one bad row cannot fail its neighbours);
+results keep request order within a group; a failing group does not affect other
+groups; the worker task starts lazily on the running loop and stops with
+:meth:`aclose`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gymbridge.generation.types import Generation, Generator, SamplingConfig
+from gymbridge.trajectory.types import GenerationInput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BatchingGenerator"]
+
+
+@dataclass(slots=True)
+class _Pending:
+    inp: GenerationInput
+    sampling: SamplingConfig
+    future: asyncio.Future[Generation]
+
+
+class BatchingGenerator:
+    """Wrap ``inner``; ``generate`` calls from many tasks share batched calls to ``inner``."""
+
+    def __init__(self, inner: Generator, *, max_batch_size: int = 64, window_s: float = 0.002) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.inner = inner
+        self.max_batch_size = max_batch_size
+        self.window_s = window_s
+        self._queue: asyncio.Queue[_Pending] | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.batches_run = 0
+        self.rows_run = 0
+
+    def _ensure_worker(self) -> asyncio.Queue[_Pending]:
+        loop = asyncio.get_running_loop()
+        if self._queue is None or self._worker is None or self._worker.done() or self._loop is not loop:
+            # (re)start on this loop: a worker of a closed loop would never answer
+            self._queue = asyncio.Queue()
+            self._worker = loop.create_task(self._run(self._queue))
+            self._loop = loop
+        return self._queue
+
+    async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        queue = self._ensure_worker()
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(i, sampling, loop.create_future()) for i in inputs]
+        for p in pending:
+            queue.put_nowait(p)
+        return list(await asyncio.gather(*(p.future for p in pending)))
+
+    async def _run(self, queue: asyncio.Queue[_Pending]) -> None:
+        while True:
+            batch = [await queue.get()]
+            deadline = asyncio.get_running_loop().time() + self.window_s
+            while len(batch) < self.max_batch_size:
+                timeout = deadline - asyncio.get_running_loop().time()
+                if timeout <= 0:
+                    while not queue.empty() and len(batch) < self.max_batch_size:
+                        batch.append(queue.get_nowait())
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(queue.get(), timeout))
+                except TimeoutError:
+                    break
+            groups: dict[SamplingConfig, list[_Pending]] = {}
+            for p in batch:
+                if not p.future.cancelled():
+                    groups.setdefault(p.sampling, []).append(p)
+            for sampling, group in groups.items():
+                await self._run_group(sampling, group)
+
+    async def _run_group(self, sampling: SamplingConfig, group: list[_Pending]) -> None:
+        try:
+            results = await self.inner.generate([p.inp for p in group], sampling)
+            if len(results) != len(group):
+                raise RuntimeError(f"generator returned {len(results)} results for {len(group)} inputs")
+        except Exception as exc:  # every waiter must learn of the failure
+            if len(group) > 1:
+                # One bad row must not fail its neighbours: retry them one by one.
+                logger.warning("batched generate failed (%s); retrying %d rows singly", exc, len(group))
+                for p in group:
+                    await self._run_group(sampling, [p])
+                return
+            for p in group:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        self.batches_run += 1
+        self.rows_run += len(group)
+        for p, r in zip(group, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(r)
+
+    async def aclose(self) -> None:
+        """Stop the worker task (pending requests are cancelled)."""
+        if self._worker is not None and self._loop is asyncio.get_running_loop():
+            self._worker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._worker
+        self._worker = None

@@ -1,0 +1,564 @@
+"""The chat side of generation: conversations in, prompt tokens out; generated tokens in, items out.
+
+Three jobs, one class (:class:`ChatCodec`) per tokenizer / processor:
+
+1. **Normalise** a conversation — Responses API ``input`` items
+   (:func:`responses_to_messages`) or Chat Completions ``messages``
+   (:func:`chat_to_messages`) — into :class:`ChatMessage` s. Media parts become
+   :class:`~gymbridge.media.MediaItem` s through ``load_media`` under the caller's
+   ``MediaPolicy`` (refused or broken media raise ``MediaError`` here, before any
+   model work). Replayed token fields (``prompt_token_ids`` +
+   ``generation_token_ids``) stay on the assistant message they came with.
+2. **Render** (:meth:`ChatCodec.render`) the conversation with the tokenizer's chat
+   template (tools included) into prompt token ids with every media placeholder
+   expanded, plus all media in order. *Prefix splice*: when an assistant message
+   carries replayed token fields, ``prompt_token_ids + generation_token_ids`` of the
+   **latest** such message is kept exactly and only the suffix after it is
+   templated — so re-templating history (reasoning dropped, tool-call JSON
+   re-serialised, whitespace normalised) never changes earlier tokens.
+3. **Parse** generated tokens (:meth:`ChatCodec.parse`) into reasoning
+   (``<think>...</think>``), function calls (Qwen/Hermes
+   ``<tool_call>{json}</tool_call>``) and message text. Markup that does not parse
+   (bad JSON, no ``name``) stays in the message text, visible to the trajectory
+   layer as an invalid tool call — never silently dropped.
+
+Splice rule. Let ``k`` be the latest assistant message with token fields and ``P``
+its ``prompt_token_ids + generation_token_ids``. ``upto`` is the template of
+messages ``[0..k]`` without a generation prompt, ``full`` the template of all
+messages with one; ``n`` counts the end-of-turn markers in ``upto`` (which must end
+with one). The suffix is ``full`` after its ``n``-th marker; the prompt is ``P``
+(closed with the marker token when the generation was cut by ``length``) followed
+by the suffix's tokens. Markers are special tokens, so tokenising the suffix alone
+gives the tokens it has inside the full text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from gymbridge.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from gymbridge.media import MediaItem, MediaPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ChatCodec",
+    "ChatMessage",
+    "ParsedOutput",
+    "RenderedPrompt",
+    "TemplateSpliceError",
+    "ToolCall",
+    "chat_to_messages",
+    "new_call_id",
+    "responses_to_messages",
+    "responses_tools_to_chat",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
+_THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+class TemplateSpliceError(ProtocolError):
+    """The chat template's output cannot be split at the replayed assistant message."""
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One function call. ``arguments`` is the JSON string the model produced (or was replayed)."""
+
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(slots=True)
+class ChatMessage:
+    """One conversation message, backend-neutral.
+
+    ``parts`` is an ordered list of text strings and media items. ``prefix_token_ids``
+    (assistant messages only) is ``prompt_token_ids + generation_token_ids`` of the
+    model call that produced the message, when the caller replayed them.
+    """
+
+    role: Role
+    parts: list[str | MediaItem] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    prefix_token_ids: list[int] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p for p in self.parts if isinstance(p, str))
+
+    @property
+    def media(self) -> list[MediaItem]:
+        return [p for p in self.parts if not isinstance(p, str)]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """Prompt tokens (placeholders expanded) and all media of the conversation, in order."""
+
+    prompt_token_ids: list[int]
+    media: list[MediaItem]
+    spliced: bool
+    """True when the latest replayed assistant tokens were kept as the exact prefix."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedOutput:
+    """Generated tokens split into reasoning blocks, message text and tool calls."""
+
+    reasoning: list[str]
+    content: str
+    tool_calls: list[ToolCall]
+
+
+# --------------------------------------------------------------------------- normalisation
+
+
+def _load(source: str, modality: Literal["image", "audio", "video"], policy: MediaPolicy | None) -> MediaItem:
+    from gymbridge.media import load_media
+
+    return load_media(source, modality, policy)
+
+
+def _url_of(value: Any, what: str) -> str:
+    if isinstance(value, Mapping):
+        value = value.get("url")
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{what} needs a non-empty URL string")
+    return value
+
+
+def _parts_from_content(content: Any, policy: MediaPolicy | None, where: str) -> list[str | MediaItem]:
+    """Text and media parts of a message ``content`` (a string, ``None`` or a list of parts)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content] if content else []
+    if not isinstance(content, list):
+        raise ProtocolError(
+            f"{where}: content must be a string or a list of parts, got {type(content).__name__}"
+        )
+    parts: list[str | MediaItem] = []
+    for i, part in enumerate(content):
+        if not isinstance(part, Mapping):
+            raise ProtocolError(f"{where}: content part {i} must be an object")
+        kind = part.get("type")
+        if kind in ("text", "input_text", "output_text"):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise ProtocolError(f"{where}: content part {i} ({kind}) needs a string 'text'")
+            parts.append(text)
+        elif kind in ("image_url", "input_image"):
+            parts.append(_load(_url_of(part.get("image_url"), f"{where} part {i}"), "image", policy))
+        elif kind in ("video_url", "input_video"):
+            parts.append(
+                _load(_url_of(part.get("video_url", part.get("video")), f"{where} part {i}"), "video", policy)
+            )
+        elif kind in ("audio_url", "input_audio"):
+            raw = part.get("audio_url", part.get("input_audio", part.get("audio")))
+            if isinstance(raw, Mapping) and "data" in raw:
+                fmt = raw.get("format", "wav")
+                raw = f"data:audio/{fmt};base64,{raw['data']}"
+            parts.append(_load(_url_of(raw, f"{where} part {i}"), "audio", policy))
+        elif kind == "refusal":
+            parts.append(str(part.get("refusal", "")))
+        else:
+            raise ProtocolError(f"{where}: unsupported content part type {kind!r}")
+    return parts
+
+
+def _token_prefix(obj: Mapping[str, Any], where: str) -> list[int] | None:
+    prompt = obj.get("prompt_token_ids")
+    gen = obj.get("generation_token_ids")
+    if prompt is None and gen is None:
+        return None
+    if not (isinstance(prompt, list) and isinstance(gen, list)):
+        raise ProtocolError(f"{where}: prompt_token_ids and generation_token_ids must both be lists of ints")
+    try:
+        return [int(t) for t in prompt] + [int(t) for t in gen]
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{where}: token ids must be integers") from exc
+
+
+def _arguments_str(arguments: Any) -> str:
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def chat_to_messages(messages: Any, *, policy: MediaPolicy | None = None) -> list[ChatMessage]:
+    """Chat Completions ``messages`` (the shape genuine ``vllm_model`` sends) -> :class:`ChatMessage` s."""
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("'messages' must be a non-empty list")
+    out: list[ChatMessage] = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, Mapping):
+            raise ProtocolError(f"{where} must be an object")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise ProtocolError(f"{where}: unknown role {role!r}")
+        msg = ChatMessage(role=role, parts=_parts_from_content(m.get("content"), policy, where))
+        if role == "assistant":
+            reasoning = m.get("reasoning_content") or m.get("reasoning")
+            if isinstance(reasoning, str) and reasoning:
+                msg.reasoning.append(reasoning)
+            for j, tc in enumerate(m.get("tool_calls") or []):
+                fn = tc.get("function") if isinstance(tc, Mapping) else None
+                if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+                    raise ProtocolError(f"{where}.tool_calls[{j}] needs function.name")
+                msg.tool_calls.append(
+                    ToolCall(
+                        call_id=str(tc.get("id") or new_call_id()),
+                        name=fn["name"],
+                        arguments=_arguments_str(fn.get("arguments", "{}")),
+                    )
+                )
+            msg.prefix_token_ids = _token_prefix(m, where)
+        elif role == "tool":
+            msg.tool_call_id = m.get("tool_call_id")
+        out.append(msg)
+    return out
+
+
+def responses_to_messages(
+    input_items: Any,
+    *,
+    instructions: str | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    policy: MediaPolicy | None = None,
+) -> list[ChatMessage]:
+    """Responses API ``input`` (a string or a list of items) -> :class:`ChatMessage` s.
+
+    Consecutive assistant-side items (``reasoning``, assistant ``message``,
+    ``function_call``) merge into one assistant message, as one model call produced
+    them; the token fields of the latest such item become its ``prefix_token_ids``.
+    ``metadata.audio_data`` (stock Gym's audio side channel) is attached to the
+    first user message, before its text.
+    """
+    items: list[Any]
+    if isinstance(input_items, str):
+        items = [{"type": "message", "role": "user", "content": input_items}]
+    elif isinstance(input_items, list):
+        items = input_items
+    else:
+        raise ProtocolError("'input' must be a string or a list of items")
+    out: list[ChatMessage] = []
+    if instructions:
+        out.append(ChatMessage(role="system", parts=[instructions]))
+    pending: ChatMessage | None = None
+
+    def assistant() -> ChatMessage:
+        nonlocal pending
+        if pending is None:
+            pending = ChatMessage(role="assistant")
+            out.append(pending)
+        return pending
+
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise ProtocolError(f"{where} must be an object")
+        kind = item.get("type") or ("message" if "role" in item else None)
+        if kind == "message" and item.get("role") == "assistant":
+            a = assistant()
+            a.parts.extend(_parts_from_content(item.get("content"), policy, where))
+        elif kind == "reasoning":
+            a = assistant()
+            texts = [s.get("text", "") for s in item.get("summary") or [] if isinstance(s, Mapping)]
+            a.reasoning.extend(t for t in texts if t)
+        elif kind == "function_call":
+            a = assistant()
+            name = item.get("name")
+            if not isinstance(name, str):
+                raise ProtocolError(f"{where}: function_call needs a string 'name'")
+            a.tool_calls.append(
+                ToolCall(
+                    call_id=str(item.get("call_id") or new_call_id()),
+                    name=name,
+                    arguments=_arguments_str(item.get("arguments", "{}")),
+                )
+            )
+        elif kind == "function_call_output":
+            pending = None
+            output = item.get("output")
+            parts: list[str | MediaItem]
+            if isinstance(output, str) and output.startswith("data:image/"):
+                parts = [_load(output, "image", policy)]
+            else:
+                parts = _parts_from_content(output, policy, where)
+            out.append(ChatMessage(role="tool", parts=parts, tool_call_id=item.get("call_id")))
+            continue
+        elif kind == "message":
+            role = item.get("role")
+            if role not in _ROLES or role == "tool":
+                raise ProtocolError(f"{where}: unknown message role {role!r}")
+            pending = None
+            out.append(ChatMessage(role=role, parts=_parts_from_content(item.get("content"), policy, where)))
+            continue
+        else:
+            raise ProtocolError(f"{where}: item type {kind!r} cannot be rendered for a chat model")
+        prefix = _token_prefix(item, where)
+        if prefix is not None:
+            assistant().prefix_token_ids = prefix
+    audio = (metadata or {}).get("audio_data")
+    if isinstance(audio, str) and audio:
+        first_user = next((m for m in out if m.role == "user"), None)
+        if first_user is None:
+            first_user = ChatMessage(role="user")
+            out.append(first_user)
+        first_user.parts.insert(0, _load(audio, "audio", policy))
+    return out
+
+
+def responses_tools_to_chat(tools: Any) -> list[dict[str, Any]]:
+    """Responses ``tools`` (flat function specs) -> Chat Completions tools ``{type, function}``."""
+    out: list[dict[str, Any]] = []
+    for i, t in enumerate(tools or []):
+        if not isinstance(t, Mapping):
+            raise ProtocolError(f"tools[{i}] must be an object")
+        if "function" in t:
+            out.append(dict(t))
+            continue
+        if t.get("type", "function") != "function" or not isinstance(t.get("name"), str):
+            raise ProtocolError(f"tools[{i}]: only function tools with a name are supported")
+        fn = {k: t[k] for k in ("name", "description", "parameters") if t.get(k) is not None}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+# --------------------------------------------------------------------------- codec
+
+
+class ChatCodec:
+    """Chat template rendering with exact prefix splicing, and output parsing, for one processor.
+
+    ``processor`` is a Hugging Face processor (``processor.tokenizer`` is used for
+    text, ``processor(text=..., images=...)`` to expand media placeholders) or a bare
+    tokenizer for text-only models. ``end_of_turn`` defaults to ``"<|im_end|>"`` when
+    the vocabulary has it, else the tokenizer's eos token.
+    """
+
+    def __init__(
+        self,
+        processor: Any,
+        *,
+        chat_template: str | None = None,
+        end_of_turn: str | None = None,
+        reasoning_parser: bool = True,
+        tool_parser: bool = True,
+    ) -> None:
+        self.processor = processor
+        self.tokenizer: Any = getattr(processor, "tokenizer", processor)
+        self.chat_template = chat_template
+        vocab = self.tokenizer.get_vocab()
+        if end_of_turn is None:
+            end_of_turn = "<|im_end|>" if "<|im_end|>" in vocab else self.tokenizer.eos_token
+        if not end_of_turn or end_of_turn not in vocab:
+            raise ValueError(f"end-of-turn marker {end_of_turn!r} is not a token of this tokenizer")
+        self.end_of_turn: str = end_of_turn
+        self.end_of_turn_id: int = int(vocab[end_of_turn])
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end a generation: the end-of-turn marker and the eos token."""
+        ids = {self.end_of_turn_id}
+        eos = self.tokenizer.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        return tuple(sorted(ids))
+
+    # ---- rendering
+
+    def _template_messages(self, messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for m in messages:
+            role = "system" if m.role == "developer" else m.role
+            if m.role == "assistant":
+                text = "".join(f"<think>{r}</think>" for r in m.reasoning) + m.text
+                d: dict[str, Any] = {"role": role, "content": text}
+                if m.tool_calls:
+                    d["tool_calls"] = [
+                        {
+                            "id": tc.call_id,
+                            "type": "function",
+                            "function": {"name": tc.name, "arguments": _json_or_str(tc.arguments)},
+                        }
+                        for tc in m.tool_calls
+                    ]
+            else:
+                content: list[dict[str, Any]] = []
+                for p in m.parts:
+                    if isinstance(p, str):
+                        content.append({"type": "text", "text": p})
+                    else:
+                        content.append({"type": p.modality})
+                d = {
+                    "role": role,
+                    "content": content if any(not isinstance(p, str) for p in m.parts) else m.text,
+                }
+                if m.tool_call_id is not None:
+                    d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        return out
+
+    def template_text(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text for ``messages`` (media as unexpanded placeholders)."""
+        kwargs: dict[str, Any] = dict(chat_template_kwargs or {})
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        text = self.tokenizer.apply_chat_template(
+            self._template_messages(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        if not isinstance(text, str):  # pragma: no cover - transformers contract
+            raise TypeError("apply_chat_template(tokenize=False) did not return a string")
+        return text
+
+    def encode(
+        self, text: str, media: Sequence[MediaItem] = (), *, decode: Callable[[MediaItem], Any] | None = None
+    ) -> list[int]:
+        """Token ids of ``text`` with each media placeholder expanded for ``media`` (in order).
+
+        ``decode`` (default ``MediaItem.image``) lets a caller reuse images it already decoded.
+        """
+        if not media:
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        images = [(decode or _decode_image)(m) for m in media if m.modality == "image"]
+        if len(images) != len(media):
+            raise ProtocolError("only image media can be expanded by this codec's processor")
+        if self.processor is self.tokenizer:
+            raise ProtocolError("this model has no processor for media: it cannot take images")
+        try:
+            enc = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+        except ValueError as exc:
+            raise ProtocolError(f"media placeholders do not match the media: {exc}") from exc
+        return [int(t) for t in enc["input_ids"][0].tolist()]
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        decode: Callable[[MediaItem], Any] | None = None,
+    ) -> RenderedPrompt:
+        """Prompt tokens for the next model call over ``messages`` (see the module docstring)."""
+        media = [p for m in messages for p in m.media]
+        k = next(
+            (i for i in range(len(messages) - 1, -1, -1) if messages[i].prefix_token_ids is not None), None
+        )
+        full = self.template_text(
+            messages, tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
+        )
+        if k is None:
+            return RenderedPrompt(self.encode(full, media, decode=decode), media, spliced=False)
+        prefix = list(messages[k].prefix_token_ids or [])
+        upto = self.template_text(
+            messages[: k + 1], tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
+        )
+        marker = self.end_of_turn
+        if not upto.rstrip().endswith(marker):
+            raise TemplateSpliceError(
+                f"the chat template does not end an assistant message with {marker!r}: cannot splice "
+                "the replayed tokens"
+            )
+        n = upto.count(marker)
+        cut = -1
+        for _ in range(n):
+            cut = full.find(marker, cut + 1)
+            if cut < 0:
+                raise TemplateSpliceError(
+                    f"the full conversation renders fewer {marker!r} markers than its history ({n})"
+                )
+        suffix = full[cut + len(marker) :]
+        if not prefix or prefix[-1] != self.end_of_turn_id:
+            prefix.append(self.end_of_turn_id)
+        suffix_media = [p for m in messages[k + 1 :] for p in m.media]
+        return RenderedPrompt(prefix + self.encode(suffix, suffix_media, decode=decode), media, spliced=True)
+
+    # ---- parsing
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        ids = list(token_ids)
+        stops = set(self.stop_token_ids)
+        while ids and ids[-1] in stops:
+            ids.pop()
+        return str(self.tokenizer.decode(ids, skip_special_tokens=False))
+
+    def parse(self, token_ids: Sequence[int]) -> ParsedOutput:
+        """Split generated tokens into reasoning, message text and tool calls."""
+        return self.parse_text(self.decode(token_ids))
+
+    def parse_text(self, text: str) -> ParsedOutput:
+        reasoning: list[str] = []
+        if self.reasoning_parser:
+            reasoning = _THINK_BLOCK.findall(text)
+            text = _THINK_BLOCK.sub("", text)
+            if "</think>" in text and "<think>" not in text.split("</think>", 1)[0]:
+                # The template opened the think block in the generation prompt (Qwen3 style).
+                head, text = text.split("</think>", 1)
+                reasoning.insert(0, head)
+        calls: list[ToolCall] = []
+        if self.tool_parser:
+
+            def take(match: re.Match[str]) -> str:
+                call = _parse_tool_call(match.group(1))
+                if call is None:
+                    return match.group(0)
+                calls.append(call)
+                return ""
+
+            text = _TOOL_CALL_BLOCK.sub(take, text)
+        return ParsedOutput(reasoning=reasoning, content=text.strip() if calls else text, tool_calls=calls)
+
+
+def _decode_image(item: MediaItem) -> Any:
+    return item.image()
+
+
+def _json_or_str(arguments: str) -> Any:
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _parse_tool_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return ToolCall(call_id=new_call_id(), name=obj["name"], arguments=_arguments_str(args))

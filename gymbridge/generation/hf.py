@@ -1,0 +1,314 @@
+"""``HFGenerator``: the transformers backend (CPU here, GPU elsewhere), token in / token out.
+
+Takes :class:`~gymbridge.trajectory.types.GenerationInput` s whose prompts already
+hold expanded media placeholders; the media (``multi_modal_data["image"]``, all
+images of the conversation so far, in order) go through the model's image
+processor once per call and reach the model as ``pixel_values`` (+
+``image_grid_thw`` for Qwen-VL). Works with the tiny offline Qwen2-VL
+(:meth:`HFGenerator.tiny`) and with any Hugging Face VLM or causal LM saved at a
+local path (:meth:`HFGenerator.from_pretrained`).
+
+Invariants:
+
+* requests are batched (left padding, up to ``max_batch_size`` rows per forward);
+  one ``generate`` call runs at a time (a lock), off the event loop (a thread);
+* ``logprobs`` are log-softmax of the logits **after** the temperature and top-p
+  warpers (the sampling distribution actually used; no top-k, no penalties), or of
+  the raw logits for greedy decoding (``temperature == 0``); fp32 models reproduce
+  them by a teacher-forced forward pass to ~1e-6;
+* a row whose placeholder count disagrees with its images (a stale prompt, a
+  missing image) is refused with ``ProtocolError`` before any model work;
+* ``seed`` seeds a forked RNG for the batch, so the global torch RNG is untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gymbridge.errors import ProtocolError
+from gymbridge.generation.chat import ChatCodec
+from gymbridge.generation.types import FinishReason, Generation, SamplingConfig, fit_max_tokens
+from gymbridge.trajectory.types import GenerationInput
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HFGenerator"]
+
+
+class HFGenerator:
+    """Generate with a transformers model; see the module docstring."""
+
+    def __init__(
+        self,
+        model: Any,
+        processor: Any,
+        *,
+        max_model_len: int | None = None,
+        max_batch_size: int = 16,
+        chat_template: str | None = None,
+        reasoning_parser: bool = True,
+        model_name: str = "gymbridge-hf",
+    ) -> None:
+        self.model = model
+        self.processor = processor
+        self.tokenizer: Any = getattr(processor, "tokenizer", processor)
+        self.codec = ChatCodec(processor, chat_template=chat_template, reasoning_parser=reasoning_parser)
+        config = getattr(model.config, "text_config", model.config)
+        limit: Any = max_model_len or getattr(config, "max_position_embeddings", 4096)
+        self.max_model_len: int = int(limit)
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.model_name = model_name
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = int(pad if pad is not None else self.codec.end_of_turn_id)
+        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
+        self.video_token_id: int | None = getattr(model.config, "video_token_id", None)
+        self._wants_mm_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        # a thread lock taken inside the worker thread: not bound to any event loop
+        self._lock = threading.Lock()
+
+    @classmethod
+    def tiny(cls, seed: int = 0, **kwargs: Any) -> HFGenerator:
+        """The tiny offline random-weight Qwen2-VL (nothing downloaded)."""
+        from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+        tiny = build_tiny_vlm(seed)
+        kwargs.setdefault("model_name", f"gymbridge-tiny-qwen2-vl-seed{seed}")
+        return cls(tiny.model, tiny.processor, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str, *, dtype: str = "float32", device: str | None = None, **kwargs: Any
+    ) -> HFGenerator:
+        """Load a model and its processor from a local directory (no hub access).
+
+        Uses ``AutoProcessor``; where that cannot load (Qwen2-VL's full processor needs
+        torchvision for video), falls back to ``AutoTokenizer`` + ``AutoImageProcessor``
+        with Qwen2-VL placeholder expansion (images only), else a text-only tokenizer.
+        """
+        import transformers
+
+        torch_dtype = getattr(torch, dtype)
+        processor: Any
+        try:
+            processor = transformers.AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+                path, local_files_only=True
+            )
+        except (OSError, ValueError, ImportError) as exc:
+            # e.g. Qwen2-VL's full processor needs torchvision (for video): fall back to
+            # tokenizer + image processor, expanding <|image_pad|> the Qwen2-VL way.
+            logger.info("AutoProcessor failed for %s (%s); using tokenizer + image processor", path, exc)
+            processor = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+            if "<|image_pad|>" in processor.get_vocab():
+                try:
+                    image_processor = transformers.AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+                        path, local_files_only=True
+                    )
+                except (OSError, ValueError, ImportError):
+                    image_processor = None
+                if image_processor is not None:
+                    from gymbridge.testing.tiny_vlm import TinyVLMProcessor
+
+                    processor = TinyVLMProcessor(processor, image_processor)
+        model: Any = None
+        for auto in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
+            loader = getattr(transformers, auto, None)
+            if loader is None:
+                continue
+            try:
+                model = loader.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+                break
+            except (ValueError, KeyError):
+                continue
+        if model is None:
+            raise ValueError(f"no transformers auto class can load a generative model from {path!r}")
+        model = model.to(device or ("cuda" if torch.cuda.is_available() else "cpu")).eval()
+        kwargs.setdefault("model_name", path)
+        return cls(model, processor, **kwargs)
+
+    # ------------------------------------------------------------------ generation
+
+    async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        if not inputs:
+            return []
+        longest = max(len(i.prompt_token_ids) for i in inputs)
+        sampling = fit_max_tokens(longest, sampling, self.max_model_len)
+        out: list[Generation] = []
+        for start in range(0, len(inputs), self.max_batch_size):
+            chunk = list(inputs[start : start + self.max_batch_size])
+            out.extend(await asyncio.to_thread(self._generate_locked, chunk, sampling))
+        return out
+
+    def _generate_locked(self, inputs: list[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        with self._lock:
+            return self._generate_sync(inputs, sampling)
+
+    def media_kwargs(self, inputs: Sequence[GenerationInput]) -> dict[str, Any]:
+        """Model inputs for the rows' media (``pixel_values``, ``image_grid_thw``), placeholder-checked."""
+        images: list[Any] = []
+        per_row: list[int] = []
+        for i, inp in enumerate(inputs):
+            extra = set(inp.multi_modal_data) - {"image"}
+            if extra:
+                raise ProtocolError(f"input {i}: HFGenerator takes images only, got {sorted(extra)}")
+            row_images = list(inp.multi_modal_data.get("image", []))
+            images.extend(row_images)
+            per_row.append(len(row_images))
+        if not images:
+            for i, inp in enumerate(inputs):
+                if self.image_token_id is not None and self.image_token_id in inp.prompt_token_ids:
+                    raise ProtocolError(
+                        f"input {i}: prompt holds image placeholders but no images were given"
+                    )
+            return {}
+        image_processor = getattr(self.processor, "image_processor", None)
+        if image_processor is None:
+            raise ProtocolError("this model's processor has no image processor: it cannot take images")
+        feats = image_processor(images=images, return_tensors="pt")
+        kwargs: dict[str, Any] = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
+        grid = kwargs.get("image_grid_thw")
+        if grid is not None and self.image_token_id is not None:
+            merge = int(getattr(image_processor, "merge_size", 1))
+            counts = (grid.to(torch.int64).prod(dim=-1) // (merge * merge)).tolist()
+            cursor = 0
+            for i, (inp, n) in enumerate(zip(inputs, per_row, strict=True)):
+                want = int(sum(counts[cursor : cursor + n]))
+                cursor += n
+                have = sum(1 for t in inp.prompt_token_ids if t == self.image_token_id)
+                if have != want:
+                    raise ProtocolError(
+                        f"input {i}: the prompt holds {have} image placeholder tokens but its {n} image(s) "
+                        f"need {want}: the prompt and the media are out of step (stale prompt?)"
+                    )
+        device = self.model.device
+        return {k: v.to(device) for k, v in kwargs.items()}
+
+    def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[B, L]`` modality of each token (0 text, 1 image, 2 video), as Qwen-VL's M-RoPE needs."""
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        if self.image_token_id is not None:
+            types[ids == self.image_token_id] = 1
+        if self.video_token_id is not None:
+            types[ids == self.video_token_id] = 2
+        return types
+
+    def model_inputs(self, ids: torch.Tensor, mask: torch.Tensor, media: dict[str, Any]) -> dict[str, Any]:
+        """Keyword inputs of the model for ``[B, L]`` token ids, their mask and the media kwargs."""
+        device = self.model.device
+        kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": mask.to(device), **media}
+        if media and self._wants_mm_token_types:
+            kwargs["mm_token_type_ids"] = self.mm_token_type_ids(ids).to(device)
+        return kwargs
+
+    def _generation_config(self, sampling: SamplingConfig) -> Any:
+        from transformers import GenerationConfig
+
+        stops = sorted(set(self.codec.stop_token_ids) | set(sampling.stop_token_ids))
+        common: dict[str, Any] = {
+            "max_new_tokens": sampling.max_tokens,
+            "eos_token_id": stops,
+            "pad_token_id": self.pad_token_id,
+            "output_scores": True,
+            "return_dict_in_generate": True,
+        }
+        if sampling.temperature == 0.0:
+            return GenerationConfig(do_sample=False, **common)  # type: ignore[no-untyped-call]
+        return GenerationConfig(  # type: ignore[no-untyped-call]
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, **common
+        )
+
+    def _generate_sync(self, inputs: list[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        media = self.media_kwargs(inputs)
+        longest = max(len(i.prompt_token_ids) for i in inputs)
+        device = self.model.device
+        ids = torch.full((len(inputs), longest), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(inputs), longest), dtype=torch.long)
+        for r, inp in enumerate(inputs):
+            n = len(inp.prompt_token_ids)
+            if n == 0:
+                raise ProtocolError(f"input {r}: empty prompt")
+            ids[r, longest - n :] = torch.tensor(inp.prompt_token_ids, dtype=torch.long)
+            mask[r, longest - n :] = 1
+        config = self._generation_config(sampling)
+        stops = set(config.eos_token_id)
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
+            if sampling.seed is not None:
+                torch.manual_seed(sampling.seed)
+            out = self.model.generate(**self.model_inputs(ids, mask, media), generation_config=config)
+        new_tokens = out.sequences[:, longest:].cpu()
+        steps = len(out.scores)
+        logps = torch.stack(
+            [torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1
+        ).cpu()  # [B, T, V]
+        results: list[Generation] = []
+        for r, inp in enumerate(inputs):
+            toks: list[int] = []
+            lps: list[float] = []
+            finish: FinishReason = "length"
+            for t in range(steps):
+                tok = int(new_tokens[r, t])
+                toks.append(tok)
+                lps.append(float(logps[r, t, tok]))
+                if tok in stops:
+                    finish = "stop"
+                    break
+            results.append(Generation(toks, lps, finish, list(inp.prompt_token_ids)))
+        logger.debug("generated %d rows, %d steps", len(inputs), steps)
+        return results
+
+    # ------------------------------------------------------------------ teacher forcing
+
+    def processed_logprobs(self, logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+        """``[T, V]`` logits -> log-probabilities under ``sampling`` (temperature, then top-p)."""
+        logits = logits.float()
+        if sampling.temperature == 0.0:
+            return torch.log_softmax(logits, dim=-1)
+        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+        scores = TemperatureLogitsWarper(sampling.temperature)(None, logits)
+        if sampling.top_p < 1.0:
+            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+        return torch.log_softmax(scores, dim=-1)
+
+    def score_sync(
+        self, inp: GenerationInput, continuation: Sequence[int], sampling: SamplingConfig
+    ) -> list[float]:
+        """Teacher-forced logprobs of ``continuation`` after ``inp``'s prompt, under ``sampling``."""
+        full = list(inp.prompt_token_ids) + list(continuation)
+        media = self.media_kwargs([inp])
+        ids = torch.tensor([full], dtype=torch.long)
+        with torch.no_grad():
+            logits = self.model(**self.model_inputs(ids, torch.ones_like(ids), media)).logits[0]
+        p = len(inp.prompt_token_ids)
+        lp = self.processed_logprobs(logits[p - 1 : len(full) - 1], sampling)
+        idx = torch.tensor(list(continuation), device=lp.device)
+        return [float(x) for x in lp.gather(-1, idx[:, None])[:, 0].cpu()]
+
+    async def score(
+        self,
+        inputs: Sequence[GenerationInput],
+        continuations: Sequence[Sequence[int]],
+        sampling: SamplingConfig,
+    ) -> list[Generation]:
+        """Force ``continuations`` (e.g. scripted turns) and report their logprobs like :meth:`generate`."""
+        out: list[Generation] = []
+        stops = set(self.codec.stop_token_ids) | set(sampling.stop_token_ids)
+        for inp, cont in zip(inputs, continuations, strict=True):
+            lps = await asyncio.to_thread(self._score_locked, inp, cont, sampling)
+            finish: FinishReason = "stop" if cont and cont[-1] in stops else "length"
+            out.append(Generation(list(cont), lps, finish, list(inp.prompt_token_ids)))
+        return out
+
+    def _score_locked(
+        self, inp: GenerationInput, cont: Sequence[int], sampling: SamplingConfig
+    ) -> list[float]:
+        with self._lock:
+            return self.score_sync(inp, cont, sampling)

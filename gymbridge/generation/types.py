@@ -1,0 +1,127 @@
+"""Token-in / token-out generation: the ``Generator`` protocol and its value types.
+
+A generator turns :class:`~gymbridge.trajectory.types.GenerationInput` s (the full
+current token sequence with placeholders expanded, plus every media item of the
+conversation so far) into :class:`Generation` s. Inputs are built by one function
+(``build_generation_input`` / :meth:`gymbridge.generation.chat.ChatCodec.render`),
+for every backend.
+
+Invariants of a :class:`Generation`:
+
+* ``len(logprobs) == len(token_ids)``; ``logprobs[i]`` is the log-probability of
+  ``token_ids[i]`` under the sampling distribution actually used (temperature and
+  top-p applied; greedy decoding reports the raw model distribution);
+* ``finish_reason == "stop"`` exactly when the last token is a stop token (it is kept
+  in ``token_ids``, as vLLM does, so the next turn's prompt can extend it verbatim);
+  otherwise ``"length"``;
+* ``prompt_token_ids`` echoes the input's tokens, untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+from gymbridge.errors import GymbridgeError
+from gymbridge.trajectory.types import GenerationInput
+
+__all__ = [
+    "ContextLengthError",
+    "FinishReason",
+    "Generation",
+    "Generator",
+    "SamplingConfig",
+]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How to sample one generation. Hashable: requests with equal configs are batched together.
+
+    ``temperature == 0`` means greedy decoding. ``max_tokens`` bounds the generated
+    tokens (the backend may lower it to fit the context). ``stop_token_ids`` are
+    added to the model's own end-of-sequence ids. ``seed`` makes sampling
+    reproducible for a given batch composition.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+
+    def with_max_tokens(self, max_tokens: int) -> SamplingConfig:
+        """A copy with another ``max_tokens``."""
+        return SamplingConfig(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One model call's result. See the module docstring for the invariants."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"{len(self.token_ids)} generated tokens but {len(self.logprobs)} logprobs: they must agree"
+            )
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Token in, token out. Every backend (HF, vLLM, scripted test doubles) implements this."""
+
+    async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        """Generate one :class:`Generation` per input, in order."""
+        ...
+
+
+class ContextLengthError(GymbridgeError):
+    """The prompt does not fit the model's context window.
+
+    ``message`` is worded like vLLM's (``"This model's maximum context length is N
+    tokens..."``), which is what genuine NeMo Gym ``vllm_model`` recognises.
+    """
+
+    def __init__(self, *, prompt_tokens: int, max_model_len: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens} tokens in the messages, Please reduce the length of the messages."
+        )
+
+
+def fit_max_tokens(prompt_len: int, sampling: SamplingConfig, max_model_len: int) -> SamplingConfig:
+    """Check a prompt against the context window and lower ``max_tokens`` to what is left.
+
+    Raises :class:`ContextLengthError` when the prompt alone fills the window (vLLM's rule).
+    """
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=max_model_len)
+    return sampling if sampling.max_tokens <= room else sampling.with_max_tokens(room)

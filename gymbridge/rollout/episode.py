@@ -1,0 +1,465 @@
+"""Native multi-turn rollouts: the bridge drives a generator and an environment directly.
+
+:func:`run_episode` plays one rollout without an agent server and returns the
+**same result shape as** ``POST /run`` of gymbridge's ``SimpleAgent`` (tool style:
+the ``/verify`` result — row echo + ``response`` holding every item of every turn
++ ``reward``; gymnasium style: row echo + ``responses_create_params`` (with the
+reset observation) + ``response`` + ``reward``, ``terminated``, ``truncated``,
+``info``), so one postprocessor (``from_gym_result``) serves both paths.
+:func:`run_group` runs G rollouts of one row concurrently, batching their model
+calls, and records a failed rollout as data (``mask_sample``, ``failure_kind``,
+``failure_reason``) instead of raising through the group.
+
+**The refresh rule.** Every model call's input is rebuilt from the *current*
+conversation: the Responses items so far (initial input, every model output item
+with its token fields, every tool output / observation with its media) are
+rendered by :meth:`ChatCodec.render` — which keeps the previous call's
+``prompt_token_ids + generation_token_ids`` as the exact prefix — and the result
+goes through ``build_generation_input`` over a :class:`ConversationHistory` that
+only appends. So turn k's input holds all tokens so far and **all media so far**
+(a tool's image reaches the very next call), never the turn-0 prompt alone.
+A prompt that does not extend the previous one, or media that are not the previous
+media plus new ones, raise ``TrajectoryError`` (the invariant is checked, not hoped).
+
+Every HTTP call to the environment has a deadline (``timeout_s``); environment
+failures surface as ``EnvError`` subclasses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import httpx
+
+from gymbridge.errors import (
+    EnvServerError,
+    EnvTimeoutError,
+    EnvTransportError,
+    GymbridgeError,
+    ProtocolError,
+    TrajectoryError,
+)
+from gymbridge.generation.batching import BatchingGenerator
+from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
+from gymbridge.generation.outputs import response_items
+from gymbridge.generation.types import ContextLengthError, Generator, SamplingConfig
+from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
+
+if TYPE_CHECKING:
+    from gymbridge.media import MediaPolicy
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EpisodeMode", "NativeModel", "run_episode", "run_group"]
+
+EpisodeMode = Literal["auto", "tools", "gymnasium"]
+PARTS_HEADER = "X-Gymbridge-Tool-Output"
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class NativeModel:
+    """One rollout's model side: renders the conversation, checks the refresh rule, generates.
+
+    ``inputs`` records every :class:`GenerationInput` handed to the generator (tests
+    and debugging read it).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        codec: ChatCodec,
+        *,
+        max_model_len: int,
+        media_policy: MediaPolicy | None = None,
+        sampling: SamplingConfig | None = None,
+        default_max_tokens: int = 1024,
+    ) -> None:
+        self.generator = generator
+        self.codec = codec
+        self.max_model_len = max_model_len
+        self.media_policy = media_policy
+        self.sampling = sampling
+        self.default_max_tokens = default_max_tokens
+        self.history = ConversationHistory()
+        self.inputs: list[Any] = []
+
+    def _sampling_for(self, rcp: Mapping[str, Any], prompt_len: int) -> SamplingConfig:
+        if self.sampling is not None:
+            base = self.sampling
+        else:
+            base = SamplingConfig(
+                temperature=float(rcp.get("temperature", 1.0) if rcp.get("temperature") is not None else 1.0),
+                top_p=float(rcp.get("top_p", 1.0) if rcp.get("top_p") is not None else 1.0),
+                max_tokens=int(rcp.get("max_output_tokens") or self.default_max_tokens),
+            )
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=self.max_model_len)
+        return base if base.max_tokens <= room else base.with_max_tokens(room)
+
+    def _advance(self, prompt: list[int], media: list[Any]) -> Any:
+        seen, seen_media = self.history.token_ids, self.history.media
+        if prompt[: len(seen)] != seen:
+            raise TrajectoryError(
+                f"the rendered prompt ({len(prompt)} tokens) does not extend the conversation so far "
+                f"({len(seen)} tokens): the refresh rule would be broken"
+            )
+        if len(media) < len(seen_media) or any(
+            a.key != b.key for a, b in zip(media, seen_media, strict=False)
+        ):
+            raise TrajectoryError("the conversation's media are not the previous media plus new ones")
+        self.history.append(prompt[len(seen) :], media[len(seen_media) :])
+        return build_generation_input(self.history)
+
+    async def respond(self, rcp: Mapping[str, Any], items: list[Any]) -> dict[str, Any]:
+        """One model call over ``items``; a Responses object with token fields on its last item."""
+        tools = responses_tools_to_chat(rcp.get("tools"))
+        metadata = rcp.get("metadata") if isinstance(rcp.get("metadata"), Mapping) else None
+
+        def render() -> tuple[list[int], list[Any]]:
+            messages = responses_to_messages(
+                items, instructions=rcp.get("instructions"), metadata=metadata, policy=self.media_policy
+            )
+            rendered = self.codec.render(messages, tools)
+            return rendered.prompt_token_ids, rendered.media
+
+        prompt, media = await asyncio.to_thread(render)
+        base: dict[str, Any] = {
+            "id": f"resp_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": str(rcp.get("model") or getattr(self.generator, "model_name", "gymbridge-native")),
+            "parallel_tool_calls": True,
+            "tool_choice": rcp.get("tool_choice", "auto"),
+            "tools": rcp.get("tools") or [],
+        }
+        try:
+            sampling = self._sampling_for(rcp, len(prompt))
+        except ContextLengthError as exc:
+            logger.info("native rollout: %s", exc)
+            return base | {
+                "status": "incomplete",
+                "incomplete_details": {"reason": "max_output_tokens"},
+                "output": [],
+            }
+        inp = await asyncio.to_thread(self._advance, prompt, media)
+        self.inputs.append(inp)
+        gen = (await self.generator.generate([inp], sampling))[0]
+        self.history.append(gen.token_ids)
+        items_out = response_items(self.codec.parse(gen.token_ids), gen, prompt)
+        incomplete = gen.finish_reason == "length"
+        usage = {"input_tokens": len(prompt), "output_tokens": len(gen.token_ids)}
+        usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
+        return base | {
+            "status": "incomplete" if incomplete else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+            "output": items_out,
+            "usage": usage,
+        }
+
+
+class _Env:
+    """HTTP calls to one environment session (own cookie jar), each with a deadline."""
+
+    def __init__(self, base_url: str, timeout_s: float, transport: httpx.AsyncBaseTransport | None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.client = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+
+    async def post(self, path: str, payload: Any, *, ok_only: bool = True) -> httpx.Response:
+        try:
+            content = json.dumps(payload, allow_nan=False)
+        except ValueError as exc:
+            raise ProtocolError(f"POST {path}: the payload holds NaN or infinity: {exc}") from exc
+        try:
+            reply = await self.client.post(
+                path, content=content, headers={"content-type": "application/json"}
+            )
+        except httpx.TimeoutException as exc:
+            raise EnvTimeoutError(f"POST {path} timed out", server=self.base_url) from exc
+        except httpx.HTTPError as exc:
+            raise EnvTransportError(f"POST {path} failed: {exc}", server=self.base_url) from exc
+        if ok_only and reply.status_code >= 400:
+            raise EnvServerError(
+                f"POST {path} answered HTTP {reply.status_code}: {reply.text[:300]}",
+                status=reply.status_code,
+                body=reply.text[:4000],
+                server=self.base_url,
+            )
+        return reply
+
+    async def post_json(self, path: str, payload: Any) -> Any:
+        reply = await self.post(path, payload)
+        try:
+            return reply.json()
+        except ValueError as exc:
+            raise EnvServerError(
+                f"POST {path} answered a non-JSON body", status=reply.status_code, body=reply.text[:4000]
+            ) from exc
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _as_items(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if isinstance(value, list):
+        return list(value)
+    raise TrajectoryError(
+        f"responses_create_params.input must be a string or a list, got {type(value).__name__}"
+    )
+
+
+def _observation_message(data: Mapping[str, Any]) -> dict[str, Any] | None:
+    content = data.get("observation_content")
+    if isinstance(content, list) and content:
+        return {"type": "message", "role": "user", "content": content}
+    text = data.get("observation")
+    if text:
+        return {"type": "message", "role": "user", "content": str(text)}
+    return None
+
+
+async def _tool_items(env: _Env, call: Mapping[str, Any], tool_media: str) -> list[dict[str, Any]]:
+    """The items a tool call adds: its output (and its media in a user message, by default)."""
+    call_id = call.get("call_id")
+    name = str(call.get("name", ""))
+    try:
+        arguments = json.loads(call.get("arguments") or "")
+    except (ValueError, TypeError) as exc:
+        text = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
+        return [{"type": "function_call_output", "call_id": call_id, "output": text}]
+    if not _TOOL_NAME.match(name):
+        return [
+            {
+                "type": "function_call_output",
+                "call_id": call_id,
+                "output": json.dumps({"detail": "Not Found"}),
+            }
+        ]
+    reply = await env.post(f"/{name}", arguments, ok_only=False)
+    if reply.status_code > 500:
+        raise EnvServerError(
+            f"tool {name!r} answered HTTP {reply.status_code}",
+            status=reply.status_code,
+            body=reply.text[:4000],
+        )
+    parts: list[dict[str, Any]] | None = None
+    if reply.headers.get(PARTS_HEADER) == "parts":
+        try:
+            body = reply.json()
+        except ValueError:
+            body = None
+        if isinstance(body, list) and all(isinstance(p, dict) and "type" in p for p in body):
+            parts = body
+    if parts is None:
+        return [{"type": "function_call_output", "call_id": call_id, "output": reply.text}]
+    text = "\n".join(str(p.get("text", "")) for p in parts if p.get("type") == "input_text")
+    media = [p for p in parts if p.get("type") != "input_text"]
+    if tool_media == "output" or not media:
+        return [{"type": "function_call_output", "call_id": call_id, "output": parts if media else text}]
+    return [
+        {"type": "function_call_output", "call_id": call_id, "output": text},
+        {"type": "message", "role": "user", "content": media},
+    ]
+
+
+async def run_episode(
+    generator: Generator,
+    env: str,
+    row: Mapping[str, Any],
+    *,
+    max_turns: int = 8,
+    mode: EpisodeMode = "auto",
+    codec: ChatCodec | None = None,
+    sampling: SamplingConfig | None = None,
+    media_policy: MediaPolicy | None = None,
+    max_model_len: int | None = None,
+    default_max_tokens: int = 1024,
+    tool_media: Literal["message", "output"] = "message",
+    timeout_s: float = 60.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+    model: NativeModel | None = None,
+) -> dict[str, Any]:
+    """Play one rollout of ``row`` against the environment at ``env`` (a base URL); see the module docstring.
+
+    ``mode="auto"`` plays tool style when the row offers tools, gymnasium style
+    (``/reset`` + ``/step``) otherwise. ``sampling`` (default: the row's
+    ``temperature`` / ``top_p`` / ``max_output_tokens``) applies to every call.
+    Pass ``model`` to inspect the inputs afterwards (``model.inputs``).
+    """
+    if max_turns < 1:
+        raise ValueError("max_turns must be >= 1")
+    rcp = row.get("responses_create_params")
+    if not isinstance(rcp, Mapping):
+        raise TrajectoryError("the row has no responses_create_params object")
+    if model is None:
+        codec = codec if codec is not None else getattr(generator, "codec", None)
+        if not isinstance(codec, ChatCodec):
+            raise ValueError("run_episode needs a ChatCodec: pass codec= or use a generator with .codec")
+        limit: Any = max_model_len or getattr(generator, "max_model_len", 4096)
+        model = NativeModel(
+            generator,
+            codec,
+            max_model_len=int(limit),
+            media_policy=media_policy,
+            sampling=sampling,
+            default_max_tokens=default_max_tokens,
+        )
+    if mode == "auto":
+        mode = "tools" if rcp.get("tools") else "gymnasium"
+    session = _Env(env, timeout_s, transport)
+    try:
+        if mode == "tools":
+            return await _run_tools(session, model, dict(row), dict(rcp), max_turns, tool_media)
+        return await _run_gymnasium(session, model, dict(row), dict(rcp), max_turns)
+    finally:
+        await session.aclose()
+
+
+async def _run_tools(
+    env: _Env, model: NativeModel, row: dict[str, Any], rcp: dict[str, Any], max_turns: int, tool_media: str
+) -> dict[str, Any]:
+    await env.post_json("/seed_session", row)
+    base_input = _as_items(rcp.get("input"))
+    outputs: list[Any] = []
+    status = "completed"
+    last: dict[str, Any] = {}
+    for turn in range(1, max_turns + 1):
+        last = await model.respond(rcp, base_input + outputs)
+        output = last["output"]
+        outputs.extend(output)
+        if last.get("incomplete_details"):
+            status = "incomplete"
+            break
+        calls = [o for o in output if o.get("type") == "function_call"]
+        if not calls:
+            if not any(o.get("type") == "message" for o in output):
+                status = "incomplete"
+            break
+        for call in calls:
+            outputs.extend(await _tool_items(env, call, tool_media))
+        if turn >= max_turns:
+            status = "incomplete"
+    response = {**last, "output": outputs, "status": status}
+    result = await env.post_json("/verify", {**row, "response": response})
+    if not isinstance(result, dict) or not isinstance(result.get("reward"), int | float):
+        raise EnvServerError("/verify answered without a numeric reward", status=200, body=str(result)[:4000])
+    return result
+
+
+async def _run_gymnasium(
+    env: _Env, model: NativeModel, row: dict[str, Any], rcp: dict[str, Any], max_turns: int
+) -> dict[str, Any]:
+    reset = await env.post_json("/reset", row)
+    if not isinstance(reset, dict):
+        raise EnvServerError("/reset answered a non-object", status=200, body=str(reset)[:4000])
+    supports_close = (reset.get("info") or {}).get("supports_explicit_close") is True
+    base_input = _as_items(rcp.get("input"))
+    first = _observation_message(reset)
+    if first is not None:
+        base_input.append(first)
+    outputs: list[Any] = []
+    total_reward = 0.0
+    step: dict[str, Any] = {"terminated": False, "truncated": True, "info": {}}
+    finished = False
+    last: dict[str, Any] = {}
+    try:
+        for _ in range(max_turns):
+            last = await model.respond(rcp, base_input + outputs)
+            outputs.extend(last["output"])
+            step = await env.post_json("/step", {**row, "response": last})
+            if not isinstance(step, dict) or not isinstance(step.get("reward", 0.0), int | float):
+                raise EnvServerError("/step answered an invalid body", status=200, body=str(step)[:4000])
+            total_reward += float(step.get("reward", 0.0))
+            if step.get("terminated") or step.get("truncated"):
+                finished = True
+                break
+            for tool_output in (step.get("info") or {}).get("tool_outputs", []) or []:
+                outputs.append(
+                    {
+                        "type": "function_call_output",
+                        "call_id": tool_output.get("call_id"),
+                        "output": tool_output.get("output", ""),
+                    }
+                )
+            message = _observation_message(step)
+            if message is not None:
+                outputs.append(message)
+    finally:
+        if supports_close:
+            try:
+                await env.post("/close", {})
+            except GymbridgeError:
+                logger.exception("closing the environment failed")
+    response = {**last, "output": outputs, "status": "completed" if finished else "incomplete"}
+    return {
+        **row,
+        "responses_create_params": {**rcp, "input": base_input},
+        "response": response,
+        "reward": total_reward,
+        "terminated": bool(step.get("terminated", False)),
+        "truncated": bool(step.get("truncated", False)) or not finished,
+        "info": step.get("info") or {},
+        "mask_sample": False,
+        "failure_kind": None,
+        "failure_reason": None,
+    }
+
+
+async def run_group(
+    generator: Generator,
+    env: str,
+    row: Mapping[str, Any],
+    *,
+    num_rollouts: int,
+    max_batch_size: int = 64,
+    **kwargs: Any,
+) -> list[dict[str, Any]]:
+    """``num_rollouts`` concurrent :func:`run_episode` s of ``row``, model calls batched.
+
+    Each result carries ``_ng_rollout_index``. A rollout that fails with a
+    ``GymbridgeError`` becomes a record with ``mask_sample: True``, ``reward: 0.0``,
+    ``failure_kind`` (the error class) and ``failure_reason`` (its message).
+    """
+    if num_rollouts < 1:
+        raise ValueError("num_rollouts must be >= 1")
+    batched = (
+        generator
+        if isinstance(generator, BatchingGenerator)
+        else BatchingGenerator(generator, max_batch_size=max_batch_size)
+    )
+    if kwargs.get("codec") is None:
+        kwargs["codec"] = getattr(generator, "codec", None)
+    if kwargs.get("max_model_len") is None:
+        kwargs["max_model_len"] = getattr(generator, "max_model_len", None)
+
+    async def one(i: int) -> dict[str, Any]:
+        r = {**row, "_ng_rollout_index": i}
+        try:
+            return await run_episode(batched, env, r, **kwargs)
+        except GymbridgeError as exc:
+            logger.warning("rollout %d failed: %s: %s", i, type(exc).__name__, exc)
+            return {
+                **r,
+                "response": {"output": [], "status": "failed"},
+                "reward": 0.0,
+                "mask_sample": True,
+                "failure_kind": type(exc).__name__,
+                "failure_reason": str(exc),
+            }
+
+    try:
+        return list(await asyncio.gather(*(one(i) for i in range(num_rollouts))))
+    finally:
+        if batched is not generator:
+            await batched.aclose()

@@ -1,0 +1,153 @@
+"""HFGenerator on the tiny Qwen2-VL: logprobs under the sampling distribution, batching, seeds, refusals."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from gen_helpers import png_data_url, reference_logprobs
+
+from gymbridge.errors import ProtocolError
+from gymbridge.generation.batching import BatchingGenerator
+from gymbridge.generation.chat import chat_to_messages
+from gymbridge.generation.hf import HFGenerator
+from gymbridge.generation.outputs import generation_input_from_prompt
+from gymbridge.generation.types import ContextLengthError, Generation, SamplingConfig
+from gymbridge.trajectory.types import GenerationInput
+
+
+def make_input(gen: HFGenerator, text: str, colors: list[tuple[int, int, int]] = ()) -> GenerationInput:  # type: ignore[assignment]
+    parts: list[dict[str, Any]] = [
+        {"type": "image_url", "image_url": {"url": png_data_url(c, (40 + 8 * i, 36))}}
+        for i, c in enumerate(colors)
+    ]
+    parts.append({"type": "text", "text": text})
+    rendered = gen.codec.render(chat_to_messages([{"role": "user", "content": parts}]))
+    return generation_input_from_prompt(rendered.prompt_token_ids, rendered.media)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingConfig(temperature=1.0, max_tokens=12, seed=1),
+        SamplingConfig(temperature=0.7, top_p=0.8, max_tokens=12, seed=2),
+        SamplingConfig(temperature=0.0, max_tokens=12),
+    ],
+    ids=["t1", "t0.7-p0.8", "greedy"],
+)
+async def test_batched_logprobs_match_a_teacher_forced_forward(
+    tiny_gen: HFGenerator, tiny: Any, sampling: SamplingConfig
+) -> None:
+    inputs = [
+        make_input(tiny_gen, "What color?", [(255, 0, 0)]),
+        make_input(tiny_gen, "Two images, and a longer question here.", [(0, 255, 0), (0, 0, 255)]),
+        make_input(tiny_gen, "no image"),
+    ]
+    gens = await tiny_gen.generate(inputs, sampling)
+    for inp, gen in zip(inputs, gens, strict=True):
+        assert len(gen.token_ids) == len(gen.logprobs) > 0
+        full = inp.prompt_token_ids + gen.token_ids
+        ref = reference_logprobs(tiny, full, inp.multi_modal_data.get("image", []), sampling)
+        diff = max(abs(a - b) for a, b in zip(gen.logprobs, ref[len(inp.prompt_token_ids) :], strict=True))
+        assert diff < 1e-5, diff
+        assert gen.prompt_token_ids == inp.prompt_token_ids
+
+
+async def test_finish_reason_and_stop_tokens(tiny_gen: HFGenerator) -> None:
+    inp = make_input(tiny_gen, "hello")
+    first = (await tiny_gen.generate([inp], SamplingConfig(max_tokens=5, seed=0)))[0]
+    assert first.finish_reason == "length" and len(first.token_ids) == 5
+    # make the 3rd sampled token a stop token: generation must stop there, keeping it
+    stop = first.token_ids[2]
+    if stop in first.token_ids[:2]:
+        pytest.skip("sampled token repeats; pick another seed")
+    again = (await tiny_gen.generate([inp], SamplingConfig(max_tokens=5, seed=0, stop_token_ids=(stop,))))[0]
+    assert again.token_ids == first.token_ids[:3] and again.finish_reason == "stop"
+
+
+async def test_seed_reproduces_and_leaves_the_global_rng_alone(tiny_gen: HFGenerator) -> None:
+    import torch
+
+    inp = make_input(tiny_gen, "seeded")
+    state = torch.random.get_rng_state()
+    a = await tiny_gen.generate([inp], SamplingConfig(max_tokens=8, seed=11))
+    b = await tiny_gen.generate([inp], SamplingConfig(max_tokens=8, seed=11))
+    c = await tiny_gen.generate([inp], SamplingConfig(max_tokens=8, seed=12))
+    assert a == b and a != c
+    assert torch.equal(state, torch.random.get_rng_state())
+
+
+async def test_placeholders_out_of_step_with_media_are_refused(tiny_gen: HFGenerator) -> None:
+    one = make_input(tiny_gen, "q", [(255, 0, 0)])
+    two = make_input(tiny_gen, "q", [(255, 0, 0), (0, 0, 255)])
+    stale = GenerationInput(prompt_token_ids=one.prompt_token_ids, multi_modal_data=two.multi_modal_data)
+    with pytest.raises(ProtocolError, match="out of step"):
+        await tiny_gen.generate([stale], SamplingConfig(max_tokens=2))
+    missing = GenerationInput(prompt_token_ids=one.prompt_token_ids)
+    with pytest.raises(ProtocolError, match="no images"):
+        await tiny_gen.generate([missing], SamplingConfig(max_tokens=2))
+
+
+async def test_context_limit(tiny_gen: HFGenerator) -> None:
+    big = GenerationInput(prompt_token_ids=[20] * tiny_gen.max_model_len)
+    with pytest.raises(ContextLengthError):
+        await tiny_gen.generate([big], SamplingConfig(max_tokens=2))
+
+
+async def test_score_matches_generate(tiny_gen: HFGenerator) -> None:
+    inp = make_input(tiny_gen, "score me", [(10, 20, 30)])
+    s = SamplingConfig(temperature=0.9, top_p=0.95, max_tokens=6, seed=4)
+    gen = (await tiny_gen.generate([inp], s))[0]
+    scored = (await tiny_gen.score([inp], [gen.token_ids], s))[0]
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, scored.logprobs, strict=True)) < 1e-5
+    assert scored.finish_reason == gen.finish_reason
+
+
+class _Recorder:
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.calls: list[tuple[int, SamplingConfig]] = []
+        self.fail_on = fail_on
+
+    async def generate(self, inputs: Any, sampling: SamplingConfig) -> list[Generation]:
+        self.calls.append((len(inputs), sampling))
+        await asyncio.sleep(0)
+        out = []
+        for inp in inputs:
+            if inp.prompt_token_ids[0] == self.fail_on:
+                raise ValueError("bad row")
+            out.append(Generation([inp.prompt_token_ids[0]], [-1.0], "stop", list(inp.prompt_token_ids)))
+        return out
+
+
+async def test_batching_groups_concurrent_requests_by_sampling() -> None:
+    inner = _Recorder()
+    batched = BatchingGenerator(inner, max_batch_size=4, window_s=0.05)
+    s1, s2 = SamplingConfig(seed=1), SamplingConfig(seed=2)
+    reqs = [batched.generate([GenerationInput([i])], s1 if i % 2 else s2) for i in range(6)]
+    results = await asyncio.gather(*reqs)
+    assert [r[0].token_ids for r in results] == [[i] for i in range(6)]
+    assert sum(n for n, _ in inner.calls) == 6 and len(inner.calls) < 6
+    assert all(n <= 4 for n, _ in inner.calls)
+    await batched.aclose()
+
+
+async def test_one_bad_row_does_not_fail_its_batch() -> None:
+    batched = BatchingGenerator(_Recorder(fail_on=3), window_s=0.05)
+    reqs = [batched.generate([GenerationInput([i])], SamplingConfig()) for i in range(5)]
+    results = await asyncio.gather(*reqs, return_exceptions=True)
+    assert isinstance(results[3], ValueError)
+    assert [r[0].token_ids for i, r in enumerate(results) if i != 3] == [[0], [1], [2], [4]]  # type: ignore[index]
+    await batched.aclose()
+
+
+async def test_from_pretrained_loads_a_saved_vlm(tiny_gen: HFGenerator, tiny: Any, tmp_path: Any) -> None:
+    """A model saved to a local directory (no hub) generates like the in-memory one, images included."""
+    tiny.model.save_pretrained(tmp_path)
+    tiny.tokenizer.save_pretrained(tmp_path)
+    tiny.processor.image_processor.save_pretrained(tmp_path)
+    loaded = HFGenerator.from_pretrained(str(tmp_path), device="cpu")
+    inp = make_input(tiny_gen, "same?", [(1, 2, 3)])
+    s = SamplingConfig(max_tokens=4, seed=9)
+    assert await loaded.generate([inp], s) == await tiny_gen.generate([inp], s)
+    assert make_input(loaded, "same?", [(1, 2, 3)]).prompt_token_ids == inp.prompt_token_ids

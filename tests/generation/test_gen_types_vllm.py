@@ -1,0 +1,242 @@
+"""SamplingConfig / Generation invariants, and VLLMGenerator on CPU against a stand-in vLLM module."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from PIL import Image
+
+from gymbridge.generation import vllm as vllm_backend
+from gymbridge.generation.types import ContextLengthError, Generation, SamplingConfig, fit_max_tokens
+from gymbridge.trajectory.types import GenerationInput
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ],
+)
+def test_sampling_config_rejects_nonsense(kwargs: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SamplingConfig(**kwargs)
+
+
+def test_generation_requires_one_logprob_per_token() -> None:
+    with pytest.raises(ValueError, match="2 generated tokens but 1 logprobs"):
+        Generation([1, 2], [-0.5], "stop")
+
+
+def test_fit_max_tokens_follows_vllm() -> None:
+    s = SamplingConfig(max_tokens=100)
+    assert fit_max_tokens(10, s, 50).max_tokens == 40
+    assert fit_max_tokens(10, s, 500) is s
+    with pytest.raises(ContextLengthError, match="maximum context length is 50 tokens"):
+        fit_max_tokens(50, s, 50)
+
+
+# ---------------------------------------------------------------- a stand-in vllm module
+
+
+@dataclass
+class FakeSamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class FakeLogprob:
+    logprob: float
+    rank: int = 1
+
+
+@dataclass
+class FakeCompletion:
+    token_ids: list[int]
+    logprobs: list[dict[int, FakeLogprob]] | None
+    finish_reason: str | None
+
+
+@dataclass
+class FakeRequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[FakeCompletion]
+    finished: bool = True
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.requests: list[tuple[Any, Any, str]] = []
+        self.rpcs: list[tuple[str, Any]] = []
+        self.cache_resets = 0
+
+    async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+        self.requests.append((prompt, params, request_id))
+        toks = [7, 8, 2]
+        yield FakeRequestOutput(
+            request_id,
+            prompt["prompt_token_ids"],
+            [FakeCompletion(toks[:1], [{7: FakeLogprob(-0.1)}], None)],
+            False,
+        )
+        lps = [{7: FakeLogprob(-0.1), 99: FakeLogprob(-3.0)}, {8: FakeLogprob(-0.2)}, {2: FakeLogprob(-0.3)}]
+        yield FakeRequestOutput(request_id, prompt["prompt_token_ids"], [FakeCompletion(toks, lps, "stop")])
+
+    async def collective_rpc(self, method: str, args: Any = ()) -> list[int]:
+        self.rpcs.append((method, args))
+        return [len(args[0])]
+
+    async def reset_prefix_cache(self) -> None:
+        self.cache_resets += 1
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Any:
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = FakeSamplingParams  # type: ignore[attr-defined]
+    vllm.AsyncEngineArgs = dict  # type: ignore[attr-defined]
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return vllm
+
+
+def make_gen(engine: Any) -> vllm_backend.VLLMGenerator:
+    return vllm_backend.VLLMGenerator("some/model", engine=engine, max_model_len=128, load_processor=False)
+
+
+def test_missing_vllm_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"gymbridge\[vllm\]"):
+        vllm_backend.VLLMGenerator("some/model")
+
+
+def test_request_carries_all_media_and_sampled_token_logprobs(fake_vllm: Any) -> None:
+    images = [Image.new("RGB", (8, 8)), Image.new("RGB", (4, 4))]
+    inp = GenerationInput(prompt_token_ids=[1, 5, 5, 5, 9], multi_modal_data={"image": images})
+    prompt, params = make_gen(FakeEngine()).build_request(
+        inp, SamplingConfig(temperature=0.7, top_p=0.9, max_tokens=12, stop_token_ids=(2,), seed=3)
+    )
+    assert prompt == {"prompt_token_ids": [1, 5, 5, 5, 9], "multi_modal_data": {"image": images}}
+    assert params == FakeSamplingParams(
+        n=1,
+        temperature=0.7,
+        top_p=0.9,
+        max_tokens=12,
+        stop_token_ids=[2],
+        seed=3,
+        logprobs=0,
+        detokenize=False,
+        skip_special_tokens=False,
+    )
+
+
+def test_text_only_request_has_no_multi_modal_data(fake_vllm: Any) -> None:
+    prompt, _ = make_gen(FakeEngine()).build_request(
+        GenerationInput(prompt_token_ids=[1, 2]), SamplingConfig()
+    )
+    assert prompt == {"prompt_token_ids": [1, 2]}
+
+
+async def test_generate_converts_the_final_output(fake_vllm: Any) -> None:
+    engine = FakeEngine()
+    gens = await make_gen(engine).generate(
+        [GenerationInput(prompt_token_ids=[1, 2, 3])], SamplingConfig(max_tokens=500)
+    )
+    assert gens == [Generation([7, 8, 2], [-0.1, -0.2, -0.3], "stop", [1, 2, 3])]
+    assert engine.requests[0][1].max_tokens == 125  # lowered to fit the 128-token context
+
+
+async def test_context_overflow_is_refused_before_the_engine(fake_vllm: Any) -> None:
+    engine = FakeEngine()
+    with pytest.raises(ContextLengthError):
+        await make_gen(engine).generate(
+            [GenerationInput(prompt_token_ids=list(range(128)))], SamplingConfig()
+        )
+    assert engine.requests == []
+
+
+@pytest.mark.parametrize(
+    ("completion", "needle"),
+    [
+        (FakeCompletion([1, 2], [{1: FakeLogprob(-1.0)}], "stop"), "2 tokens but 1 logprob"),
+        (FakeCompletion([1], [{5: FakeLogprob(-1.0)}], "stop"), "no logprob for sampled token 0"),
+        (FakeCompletion([1], [{1: FakeLogprob(-1.0)}], "abort"), "finished with 'abort'"),
+        (FakeCompletion([1], None, "stop"), "0 logprob entries"),
+    ],
+)
+def test_bad_outputs_raise_typed_errors(completion: Any, needle: str) -> None:
+    with pytest.raises(vllm_backend.VLLMGenerationError, match=needle):
+        vllm_backend.generation_from_output(FakeRequestOutput("r", [1], [completion]))
+
+
+def test_length_finish_is_kept() -> None:
+    out = FakeRequestOutput("r", [1], [FakeCompletion([4], [{4: FakeLogprob(-2.0)}], "length")])
+    assert vllm_backend.generation_from_output(out).finish_reason == "length"
+
+
+async def test_update_weights_reaches_every_worker_and_resets_the_cache(fake_vllm: Any) -> None:
+    import torch
+
+    engine = FakeEngine()
+    n = await make_gen(engine).update_weights([("w", torch.ones(2, requires_grad=True))])
+    assert n == 1 and engine.cache_resets == 1
+    method, args = engine.rpcs[0]
+    assert method == "gymbridge_load_weights" and args[0][0][0] == "w" and not args[0][0][1].requires_grad
+
+
+def test_worker_extension_loads_weights_through_the_model() -> None:
+    import torch
+
+    loaded: list[Any] = []
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def load_weights(self, weights: Any) -> None:
+            loaded.extend(weights)
+
+    ext = vllm_backend.WeightSyncWorkerExtension()
+    ext.model_runner = types.SimpleNamespace(model=Model())
+    assert ext.gymbridge_load_weights([("p", torch.ones(1))]) == 1
+    assert loaded[0][0] == "p"
+
+
+@pytest.mark.gpu
+async def test_real_vllm_engine_generates_with_logprobs() -> None:  # pragma: no cover - needs a GPU + vllm
+    pytest.importorskip("vllm")
+    import os
+
+    path = os.environ.get("GYMBRIDGE_VLLM_TEST_MODEL")
+    if not path:
+        pytest.skip("set GYMBRIDGE_VLLM_TEST_MODEL to a local model directory")
+    gen = vllm_backend.VLLMGenerator(path, engine_args={"gpu_memory_utilization": 0.3, "enforce_eager": True})
+    assert gen.codec is not None
+    from gymbridge.generation.chat import chat_to_messages
+    from gymbridge.generation.outputs import generation_input_from_prompt
+
+    rendered = gen.codec.render(chat_to_messages([{"role": "user", "content": "Say hi."}]))
+    out = await gen.generate(
+        [generation_input_from_prompt(rendered.prompt_token_ids, [])], SamplingConfig(max_tokens=8, seed=0)
+    )
+    assert len(out[0].token_ids) == len(out[0].logprobs) > 0
