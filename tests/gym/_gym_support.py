@@ -1,0 +1,74 @@
+"""Shared helpers of the gym suite (imported by conftest.py and the test modules).
+
+Role: the in-process side of the fixtures: an asyncio loop in a daemon thread for servers that
+outlive one test's event loop, the named-script dispatcher the shared scripted model answers from,
+and how a stack names that model. Kept out of ``conftest.py`` because several ``conftest`` modules
+exist in the repo and ``import conftest`` would be ambiguous.
+
+Invariants: a request picks its script by ``metadata.script`` only (never by arrival order), so
+concurrent tests and concurrent rollouts never share a script; an unknown script name answers a
+scripted 500 naming it, never a silent default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from _genuine import KIND_MODELS, GenuineStack
+
+MODEL_NAME = "policy_model"
+
+
+class ScriptBook:
+    """Named scripts for the shared scripted model; requests pick one by ``metadata.script``."""
+
+    def __init__(self) -> None:
+        self.scripts: dict[str, list[Any] | Callable[[dict[str, Any]], Any]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, script: list[Any] | Callable[[dict[str, Any]], Any]) -> str:
+        with self._lock:
+            self.scripts[name] = script
+        return name
+
+    def __call__(self, body: dict[str, Any]) -> Any:
+        from gymbridge.testing.scripted_model import call_index
+
+        metadata = body.get("metadata") or {}
+        name = metadata.get("script") if isinstance(metadata, dict) else None
+        script = self.scripts.get(str(name))
+        if script is None:
+            return {"status": 500, "body": f"no script registered as {name!r} (metadata={metadata!r})"}
+        if callable(script):
+            return script(body)
+        return script[min(call_index(body), len(script) - 1)]
+
+
+class ThreadedLoop:
+    """An asyncio loop in a daemon thread, for in-process servers that outlive one test's loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="gym-fixture-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        fut: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def model_port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/")[0])
+
+
+def add_scripted_model(stack: GenuineStack, url: str) -> None:
+    """Name gymbridge's scripted model in a genuine config as ``policy_model`` (not launched)."""
+    stack.add(MODEL_NAME, KIND_MODELS, "vllm_model", port=model_port(url), launch=False)

@@ -1,0 +1,94 @@
+"""Direction: the genuine NeMo Gym collector -> gymbridge's agent and environment.
+
+The genuine rollout collector (the library entry point behind ``gym eval run --no-serve``,
+``nemo_gym.cli.eval.collect_rollouts``) reads a jsonl of rows, repeats each, and collects them
+through a genuine ``environment_servers/legacy_agent`` relay (0.7.0 collects through environment
+servers) from **our** ``SimpleAgent`` in front of **our** ``counter`` environment. The mean reward
+it reports must be the one the scripts earn (3 of 4 tasks solved -> 0.75).
+
+The relay starts a local Ray instance (it does not declare ``ray_enabled``); the launcher pins it to
+loopback (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: no node-IP probe towards outside addresses) and
+to a job-local ``RAY_TMPDIR``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, GenuineStack
+from _gym_support import ScriptBook, ThreadedLoop
+from _oracles import counter as counter_oracle
+
+pytestmark = pytest.mark.gym
+
+server_sdk = pytest.importorskip("gymbridge.server", reason="gymbridge.server (our simple agent) is missing")
+counter_data = pytest.importorskip("environments.counter.data", reason="environments/counter is missing")
+counter_server = pytest.importorskip("environments.counter.server", reason="environments/counter is missing")
+
+
+@pytest.fixture
+def ours_behind_genuine_relay(
+    fixture_loop: ThreadedLoop, scripted_model_url: str, tmp_path: Path
+) -> Iterator[GenuineStack]:
+    env = fixture_loop.run(
+        server_sdk.start_server(counter_server.CounterServer(instance_name="ours_counter"))
+    )
+    agent = fixture_loop.run(
+        server_sdk.start_server(
+            server_sdk.SimpleAgent(
+                resources_url=env.url, model_url=scripted_model_url, instance_name="ours_agent"
+            )
+        )
+    )
+    stack = GenuineStack(tmp_path / "logs")
+    stack.add("ours_agent", KIND_AGENTS, "simple_agent", port=agent.port, launch=False)
+    stack.add(
+        "ours_env_server",
+        KIND_ENV_SERVERS,
+        "legacy_agent",
+        agent_server={"type": KIND_AGENTS, "name": "ours_agent"},
+    )
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        fixture_loop.run(agent.stop())
+        fixture_loop.run(env.stop())
+
+
+def test_genuine_collector_mean_reward(
+    ours_behind_genuine_relay: GenuineStack, script_book: ScriptBook, tmp_path: Path
+) -> None:
+    rows: list[dict[str, Any]] = []
+    for i, row in enumerate(counter_data.generate(4, seed=5)):
+        script = counter_oracle(row)
+        if i == 3:  # one task answered wrongly: the collector must report 0.75, not 1.0
+            script = [{"calls": [{"name": "increment_counter", "arguments": {"count": 1000}}]}, "done"]
+        row = copy.deepcopy(row)
+        row["responses_create_params"]["metadata"] = {"script": script_book.add(f"collector-{i}", script)}
+        rows.append(row)
+    inp, out = tmp_path / "rows.jsonl", tmp_path / "rollouts.jsonl"
+    inp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    proc = ours_behind_genuine_relay.collect("ours_agent", inp, out, num_repeats=2, num_samples_in_parallel=4)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+
+    rollouts = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rollouts) == 8
+    by_task: dict[int, list[float]] = {}
+    for r in rollouts:
+        by_task.setdefault(r["_ng_task_index"], []).append(r["reward"])
+    assert by_task == {0: [1.0, 1.0], 1: [1.0, 1.0], 2: [1.0, 1.0], 3: [0.0, 0.0]}
+    assert all(r["response"]["output"][-1]["type"] == "message" for r in rollouts)
+    assert (tmp_path / "rollouts_failures.jsonl").read_text() == ""
+
+    (metrics,) = json.loads((tmp_path / "rollouts_aggregate_metrics.json").read_text())
+    assert metrics["agent_metrics"]["num_rollouts"] == 8
+    assert metrics["agent_metrics"]["mean/reward"] == pytest.approx(0.75)
+    assert metrics["key_metrics"]["mean/reward"] == pytest.approx(0.75)
