@@ -22,7 +22,9 @@ exceptions (``TypeError``, ``ValueError``).
     │   ├── EnvServerError     the server answered with an error status
     │   │                      (``status``, ``body``, ``server``)
     │   ├── EnvTransportError  the connection failed or broke mid-body
-    │   └── EnvTimeoutError    the deadline passed
+    │   ├── EnvTimeoutError    the deadline passed
+    │   └── CheckEnvError      ``check_env`` found conformance problems
+    │                          (``problems`` lists every one)
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = [
+    "CheckEnvError",
     "ConfigError",
     "EnvError",
     "EnvServerError",
@@ -140,6 +143,15 @@ class EnvTransportError(EnvError):
 
 class EnvTimeoutError(EnvError):
     """The deadline passed before the server answered."""
+
+
+class CheckEnvError(EnvError):
+    """``check_env`` found conformance problems; ``problems`` lists every one."""
+
+    def __init__(self, problems: Sequence[str], *, server: str | None = None) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"check_env({server}): {len(self.problems)} problem(s):\n{lines}", server=server)
 
 
 class ConfigError(GymbridgeError):

@@ -20,6 +20,7 @@ from gymbridge import errors as E
         (E.EnvTransportError, E.EnvError),
         (E.EnvTimeoutError, E.EnvError),
         (E.EnvError, E.GymbridgeError),
+        (E.CheckEnvError, E.EnvError),
         (E.ConfigError, E.GymbridgeError),
     ],
 )

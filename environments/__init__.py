@@ -1,0 +1,23 @@
+"""Six example environments built on :mod:`gymbridge.server`, and their registry.
+
+=============  ==========  =========  ==============================================
+name           modality    style      task
+=============  ==========  =========  ==============================================
+circle_click   image       tools      ``click(x, y)`` inside the named circle
+zoom_read      image       tools      ``zoom(bbox)`` crops, then ``answer(value)``
+beep_count     audio       tools      count beeps in a WAV (``metadata.audio_data``)
+bouncing_ball  video       tools      count bounces in an MP4 (``input_video``)
+counter        text        tools      stateful ``increment_counter`` / ``get_counter_value``
+grid_door      image       gymnasium  ``/reset`` + ``/step``, ``<action>up</action>``
+=============  ==========  =========  ==============================================
+
+Importing this package is cheap: generators and servers load on first use through
+:func:`get_env` (see :mod:`environments.registry`). Generated rows are in the stock
+NeMo Gym row shape and every generator is deterministic in ``(seed, index, params)``.
+"""
+
+from __future__ import annotations
+
+from environments.registry import ENVIRONMENTS, EnvSpec, get_env, list_envs
+
+__all__ = ["ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]

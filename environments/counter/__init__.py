@@ -1,0 +1,1 @@
+"""counter: text-only, state kept across tool calls through the session (see README.md)."""

@@ -1,0 +1,1 @@
+"""zoom_read: a large canvas, small digits; ``zoom(bbox)`` crops, ``answer(value)`` ends (see README.md)."""

@@ -1,0 +1,222 @@
+"""The ``gymbridge`` command line: a dispatch table of command groups.
+
+::
+
+    gymbridge env list
+    gymbridge env data NAME --n N --seed S --out FILE [--param KEY=VALUE ...]
+    gymbridge env serve NAME [--host H] [--port P]
+
+Each top-level group (``env``, later ``model``, ...) is one entry of
+:data:`COMMAND_GROUPS`: a help line and the dotted path of a function that adds
+the group's subcommands to an ``argparse`` sub-parser and sets ``func`` on each.
+A group's module is imported only when that group runs (or when ``--help`` lists
+it), so a broken or heavy group never stops the others. Adding a group is one new
+line in the table.
+
+Invariants: library errors (:class:`~gymbridge.errors.GymbridgeError`) end the
+process with exit code 2 and one readable message on stderr, never a traceback;
+``main`` returns the exit code instead of calling ``sys.exit`` (testable).
+The example environments live in ``environments/`` at the repository root, not
+in the installed wheel; ``env`` commands find them on ``sys.path`` or beside an
+editable checkout, and say so clearly when neither has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from gymbridge.errors import ConfigError, GymbridgeError
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+__all__ = ["COMMAND_GROUPS", "build_parser", "main"]
+
+logger = logging.getLogger(__name__)
+
+AddCommands = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
+
+COMMAND_GROUPS: dict[str, tuple[str, str]] = {
+    "env": ("example environments: list, generate data, serve", "gymbridge.cli:add_env_commands"),
+    "model": (
+        "model server: serve a generator (tiny, HF or vLLM) over HTTP",
+        "gymbridge.generation.cli:add_model_commands",
+    ),
+}
+"""Group name -> (help line, ``"module:function"`` adding its subcommands)."""
+
+
+# ---------------------------------------------------------------- env group
+def _environments() -> ModuleType:
+    """The ``environments`` package (the repository's example environments)."""
+    try:
+        return importlib.import_module("environments")
+    except ModuleNotFoundError as exc:
+        if exc.name != "environments":
+            raise
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "environments" / "registry.py").is_file():
+        sys.path.insert(0, str(checkout))
+        return importlib.import_module("environments")
+    raise ConfigError(
+        [
+            "the example environments are not importable: they live in environments/ at the root of the "
+            "gymbridge repository and are not part of the installed wheel; run from a checkout "
+            "(pip install -e . or PYTHONPATH=<checkout>)"
+        ]
+    )
+
+
+def _parse_param(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``env list``, ``env data`` and ``env serve``."""
+    p_list = sub.add_parser("list", help="list the example environments")
+    p_list.add_argument("--params", action="store_true", help="also show each generator's parameters")
+    p_list.set_defaults(func=_cmd_env_list)
+
+    p_data = sub.add_parser(
+        "data",
+        help="write N dataset rows (stock Gym row shape, ready for /run) as JSON lines",
+        description="Generate seeded rows; row i depends only on (seed, i, params).",
+    )
+    p_data.add_argument("name", help="environment name (see `gymbridge env list`)")
+    p_data.add_argument("--n", type=int, required=True, help="number of rows")
+    p_data.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
+    p_data.add_argument("--out", type=Path, required=True, help="output .jsonl file (written atomically)")
+    p_data.add_argument(
+        "--param",
+        type=_parse_param,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="generator parameter (YAML-typed value); `env list --params` shows them",
+    )
+    p_data.set_defaults(func=_cmd_env_data)
+
+    p_serve = sub.add_parser("serve", help="serve an environment (NeMo Gym resources server) over HTTP")
+    p_serve.add_argument("name", help="environment name (see `gymbridge env list`)")
+    p_serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p_serve.add_argument("--instance-name", default=None, help="instance name (session cookie suffix)")
+    p_serve.set_defaults(func=_cmd_env_serve)
+
+
+def _cmd_env_list(args: argparse.Namespace) -> int:
+    envs = _environments()
+    width = max(len(spec.name) for spec in envs.list_envs())
+    for spec in envs.list_envs():
+        print(f"{spec.name:<{width}}  {spec.style:<9}  {','.join(spec.modalities):<6}  {spec.summary}")
+        if args.params:
+            for key, default in spec.generator_params().items():
+                print(f"{'':<{width}}    --param {key}={default!r}")
+    return 0
+
+
+def _cmd_env_data(args: argparse.Namespace) -> int:
+    if args.n < 0:
+        raise ConfigError([f"--n must be >= 0, got {args.n}"])
+    spec = _environments().get_env(args.name)
+    params = dict(args.param)
+    spec.check_params(params)
+    started = time.perf_counter()
+
+    def rows() -> Iterator[dict[str, Any]]:
+        from tqdm import tqdm
+
+        yield from tqdm(
+            spec.generate(args.n, args.seed, **params),
+            total=args.n,
+            desc=f"{spec.name} rows",
+            unit="row",
+            disable=None,  # only on a terminal
+            file=sys.stderr,
+        )
+
+    from environments._common import write_jsonl
+
+    try:
+        count = write_jsonl(rows(), args.out)
+    except (TypeError, ValueError) as exc:  # a generator refusing its parameters
+        raise ConfigError([f"{spec.name} generator: {exc}"], source="--param") from exc
+    size_mib = args.out.stat().st_size / 2**20
+    elapsed = time.perf_counter() - started
+    summary = f"wrote {count} {spec.name} rows to {args.out} ({size_mib:.2f} MiB, {elapsed:.2f} s)"
+    print(summary, file=sys.stderr)
+    return 0
+
+
+def _cmd_env_serve(args: argparse.Namespace) -> int:
+    spec = _environments().get_env(args.name)
+    from gymbridge.server import serve
+
+    server = spec.make_server(instance_name=args.instance_name)
+    print(f"serving {spec.name} on http://{args.host}:{args.port} (Ctrl-C to stop)", file=sys.stderr)
+    serve(server, host=args.host, port=args.port)
+    return 0
+
+
+# -------------------------------------------------------------------- parser
+def _load_group(target: str) -> AddCommands:
+    module_name, _, func_name = target.partition(":")
+    func: AddCommands = getattr(importlib.import_module(module_name), func_name)
+    return func
+
+
+def build_parser(groups: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The argument parser with the given groups (all of :data:`COMMAND_GROUPS` by default)."""
+    parser = argparse.ArgumentParser(prog="gymbridge", description="gymbridge: NeMo Gym <-> GRPO bridge")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level"
+    )
+    top = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
+    for name in groups if groups is not None else COMMAND_GROUPS:
+        help_line, target = COMMAND_GROUPS[name]
+        group_parser = top.add_parser(name, help=help_line, description=help_line)
+        sub = group_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+        _load_group(target)(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; return the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Build only the group being run (a broken group cannot break the others); all for --help.
+    chosen = [argv_item for argv_item in argv if argv_item in COMMAND_GROUPS][:1] or None
+    try:
+        parser = build_parser(chosen)
+    except ImportError as exc:
+        print(f"gymbridge: cannot load command group {chosen}: {exc}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except GymbridgeError as exc:
+        print(f"gymbridge: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

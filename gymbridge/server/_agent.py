@@ -1,0 +1,541 @@
+"""SimpleAgent: drives one rollout per ``POST /run`` (NeMo Gym's simple / gymnasium agent).
+
+Tool style: ``seed_session`` -> model -> tool calls -> model -> ... -> ``verify``.
+Gymnasium style (``gymnasium=True``): ``reset`` -> model -> ``step`` -> ... until
+``terminated``, ``truncated`` or ``max_steps``.
+
+Behaviour (stock Gym parity, with its known faults fixed):
+
+* ``max_steps`` is bounded (default 8; stock: unbounded); the run ends with
+  ``response.status == "incomplete"`` when it is hit, on reasoning-only or
+  empty output, and on ``incomplete_details`` from the model;
+* every outbound call has a deadline (``model_timeout_s``, ``tool_timeout_s``,
+  ``env_timeout_s``); a deadline or transport failure towards the environment
+  or model answers 504 / 502 (infrastructure: the client retries);
+* ``responses_create_params`` is sent to the model exactly as the row gave it
+  except ``input`` (genuine model servers forbid extra keys: HTTP 422);
+* model output items are replayed unchanged, token fields included;
+* tool errors (non-JSON arguments, unknown tool, bad argument types, a raising
+  tool) go back to the model as the error body text, as stock Gym does;
+* a tool's media (``X-Gymbridge-Tool-Output: parts``) comes back to the model
+  as input parts: by default the text in ``function_call_output`` and the
+  media in a ``user`` message right after it (what chat-template model
+  servers can render); ``tool_media="output"`` puts all parts in the output;
+* cookies are forwarded per server (resources cookies to the resources
+  server, model cookies to the model server); ``/verify`` carries the
+  caller's, the resources' and the model's cookies together in one header;
+* a model-server error status becomes an agent 500 whose body is a JSON
+  string (stock Gym's shape), except that an inner 4xx (a row the environment
+  refuses) keeps its status so it is recorded as data, not retried;
+* the result is the stock verify shape (row echo + ``response`` holding every
+  item of every turn + ``reward``);
+* ``POST /v1/responses`` (also under ``/ng-rollout/<id>/`` and
+  ``.../training-token-capture/``) runs the model -> tools loop alone on a
+  ``responses_create_params`` body, as stock simple_agent serves it: no seed,
+  no verify; the request's cookies go to the resources server and the
+  resources' and model's cookies come back as ``Set-Cookie``;
+* rollout correlation (stock ``/ng-rollout/<id>`` semantics): a rollout id
+  arriving in the path prefix of ``/run`` or ``/v1/responses`` is carried to
+  every outbound model and resources call as the same prefix (the
+  ``training-token-capture`` segment, when present, to the model call).
+  With ``rollout_prefix=True`` the agent also derives the id from the row
+  when the path carries none, exactly as stock Gym does with observability
+  on: ``_ng_rollout_id``, else ``<_ng_task_index>-<_ng_rollout_index>``, plus
+  ``-a<n>`` for ``_ng_attempt_index`` > 0. Off by default because servers
+  older than 0.7.0 (and bare vLLM) do not strip the prefix; gymbridge and
+  0.7.0 servers all do.
+
+``/run`` runs the loop in-process where stock simple_agent calls its own
+``/v1/responses`` over HTTP: same items, one hop fewer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gymbridge.errors import EnvError, EnvServerError, EnvTimeoutError, ProtocolError
+from gymbridge.server._base import GymServer, HttpError, RequestContext, json_response
+from gymbridge.server._http import Reply, make_client_session, post_json
+from gymbridge.server._tools import PARTS_HEADER
+
+__all__ = ["SimpleAgent", "rollout_id_from_row"]
+
+logger = logging.getLogger(__name__)
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""Stock Gym's rollout-id pattern (a path segment and a file-name component)."""
+TOKEN_CAPTURE_SEGMENT = "/training-token-capture"
+
+
+def rollout_id_from_row(row: dict[str, Any]) -> str | None:
+    """Stock Gym's rollout id of a ``/run`` row, or None when the row has no identity.
+
+    ``_ng_rollout_id`` when given (it must match :data:`ROLLOUT_ID`, else
+    ``ValueError``), else ``<_ng_task_index>-<_ng_rollout_index>``; ``-a<n>`` is
+    appended for ``_ng_attempt_index`` n > 0.
+    """
+    explicit = row.get("_ng_rollout_id")
+    if explicit is not None:
+        if not (isinstance(explicit, str) and ROLLOUT_ID.match(explicit)):
+            raise ValueError(
+                "_ng_rollout_id must be letters, digits, dots, dashes or underscores starting with a "
+                f"letter or digit; got {explicit!r}"
+            )
+        rollout_id = explicit
+    else:
+        task, rollout = row.get("_ng_task_index"), row.get("_ng_rollout_index")
+        if task is None or rollout is None:
+            return None
+        rollout_id = f"{task}-{rollout}"
+        if not ROLLOUT_ID.match(rollout_id):
+            raise ValueError(f"_ng_task_index / _ng_rollout_index give an unusable rollout id {rollout_id!r}")
+    attempt = row.get("_ng_attempt_index")
+    if attempt is not None:
+        try:
+            n = int(attempt)
+        except (TypeError, ValueError):
+            raise ValueError(f"_ng_attempt_index must be an integer, got {attempt!r}") from None
+        if n > 0:
+            rollout_id = f"{rollout_id}-a{n}"
+    return rollout_id
+
+
+@dataclass(frozen=True)
+class _Route:
+    """Where one rollout's outbound calls go: the rollout prefix (or none) for each server."""
+
+    rollout_id: str | None = None
+    token_capture: bool = False
+
+    @property
+    def prefix(self) -> str:
+        return f"/ng-rollout/{self.rollout_id}" if self.rollout_id else ""
+
+    def model(self, path: str) -> str:
+        capture = TOKEN_CAPTURE_SEGMENT if self.rollout_id and self.token_capture else ""
+        return f"{self.prefix}{capture}{path}"
+
+    def resources(self, path: str) -> str:
+        return f"{self.prefix}{path}"
+
+
+class _UpstreamFailure(Exception):
+    """The rollout cannot continue: answer ``status`` with a JSON-string body."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class SimpleAgent(GymServer):
+    """The agent server: ``POST /run`` takes a dataset row and returns the verify result."""
+
+    def __init__(
+        self,
+        *,
+        resources_url: str,
+        model_url: str,
+        max_steps: int = 8,
+        gymnasium: bool = False,
+        model_timeout_s: float = 600.0,
+        tool_timeout_s: float = 120.0,
+        env_timeout_s: float = 120.0,
+        tool_media: str = "user_message",
+        max_connections: int = 1024,
+        instance_name: str = "simple_agent",
+        rollout_prefix: bool = False,
+    ) -> None:
+        super().__init__(instance_name=instance_name)
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if tool_media not in ("user_message", "output"):
+            raise ValueError(f"tool_media must be 'user_message' or 'output', got {tool_media!r}")
+        self.resources_url = resources_url.rstrip("/")
+        self.model_url = model_url.rstrip("/")
+        self.max_steps = max_steps
+        self.gymnasium = gymnasium
+        self.model_timeout_s = model_timeout_s
+        self.tool_timeout_s = tool_timeout_s
+        self.env_timeout_s = env_timeout_s
+        self.tool_media = tool_media
+        self.max_connections = max_connections
+        self.rollout_prefix = rollout_prefix
+        self._client: aiohttp.ClientSession | None = None
+        self.add_route("POST", "/run", self._run_endpoint)
+        self.add_route("POST", "/v1/responses", self._responses_endpoint)
+        self.add_route("POST", f"{TOKEN_CAPTURE_SEGMENT}/v1/responses", self._responses_endpoint)
+        self.add_route("POST", "/aggregate_metrics", self._aggregate_endpoint)
+
+    async def on_startup(self) -> None:
+        self._client = make_client_session(self.max_connections)
+
+    async def on_cleanup(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    @property
+    def client(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            raise RuntimeError("SimpleAgent is not serving (its client session opens at startup)")
+        return self._client
+
+    # ------------------------------------------------------------ endpoints
+    async def _run_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
+        row = await ctx.json_object()
+        rcp = row.get("responses_create_params")
+        if not isinstance(rcp, dict):
+            raise HttpError(
+                422,
+                {
+                    "detail": [
+                        {
+                            "type": "missing",
+                            "loc": ["body", "responses_create_params"],
+                            "msg": "Field required",
+                        }
+                    ]
+                },
+            )
+        caller_cookies = {k: v for k, v in ctx.request.cookies.items() if k != self.cookie_name}
+        try:
+            route = self._route(ctx, row)
+            if self.gymnasium:
+                result = await self._run_gymnasium(row, caller_cookies, route)
+            else:
+                result = await self._run_tools(row, caller_cookies, route)
+        except _UpstreamFailure as exc:
+            logger.warning("%s: rollout failed: %s", self.cookie_name, exc.message)
+            return json_response(exc.message, status=exc.status)
+        return json_response(result)
+
+    async def _responses_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
+        """Stock ``/v1/responses``: the model -> tools loop on a create-params body (no seed, no verify)."""
+        if self.gymnasium:
+            raise HttpError(404, {"detail": "Not Found"})
+        rcp = await ctx.json_object()
+        resources_cookies = {k: v for k, v in ctx.request.cookies.items() if k != self.cookie_name}
+        route = _Route(ctx.rollout_id, token_capture=ctx.path.startswith(TOKEN_CAPTURE_SEGMENT))
+        try:
+            response, model_cookies = await self._episode(rcp, resources_cookies, route)
+        except _UpstreamFailure as exc:
+            logger.warning("%s: /v1/responses failed: %s", self.cookie_name, exc.message)
+            return json_response(exc.message, status=exc.status)
+        reply = json_response(response)
+        for name, value in {**resources_cookies, **model_cookies}.items():
+            if name != self.cookie_name:
+                reply.set_cookie(name, value)
+        return reply
+
+    def _route(self, ctx: RequestContext, row: dict[str, Any]) -> _Route:
+        """The rollout prefix for this ``/run``: the inbound one, else (opt-in) the row's identity."""
+        if ctx.rollout_id is not None:
+            return _Route(ctx.rollout_id, token_capture=ctx.path.startswith(TOKEN_CAPTURE_SEGMENT))
+        if not self.rollout_prefix:
+            return _Route()
+        try:
+            return _Route(rollout_id_from_row(row))
+        except ValueError as exc:
+            raise _UpstreamFailure(422, str(exc)) from None
+
+    async def _aggregate_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
+        body = await ctx.json_object()
+        reply = await self._call(f"{self.resources_url}/aggregate_metrics", body, self.env_timeout_s, {})
+        return web.Response(body=reply.body, status=reply.status, content_type="application/json")
+
+    # --------------------------------------------------------------- calls
+    async def _call(self, url: str, payload: Any, timeout_s: float, cookies: dict[str, str]) -> Reply:
+        """One outbound call; transport faults and deadlines end the rollout (502 / 504)."""
+        try:
+            return await post_json(self.client, url, payload, timeout_s=timeout_s, cookies=cookies)
+        except EnvTimeoutError as exc:
+            raise _UpstreamFailure(
+                504, f"Hit a timeout in {self.cookie_name} calling an inner server: {exc}"
+            ) from exc
+        except EnvError as exc:
+            raise _UpstreamFailure(
+                502, f"Hit a transport error in {self.cookie_name} calling an inner server: {exc}"
+            ) from exc
+
+    def _require_ok(self, reply: Reply) -> Any:
+        """The JSON of a 2xx reply; otherwise the rollout ends.
+
+        A 4xx from an inner server (a row the environment refuses, a request the
+        model server rejects) keeps its status, so the client records a data
+        failure instead of retrying; everything else answers 500, as stock Gym does.
+        """
+        try:
+            reply.raise_for_status()
+            return reply.json()
+        except (EnvServerError, ProtocolError) as exc:
+            status = reply.status if 400 <= reply.status < 500 and reply.status not in (408, 429) else 500
+            raise _UpstreamFailure(
+                status, f"Hit an exception in {self.cookie_name} calling an inner server: {reply.text[:4000]}"
+            ) from exc
+
+    async def _model(
+        self, rcp: dict[str, Any], items: list[Any], cookies: dict[str, str], route: _Route
+    ) -> dict[str, Any]:
+        body = {**rcp, "input": items}
+        url = f"{self.model_url}{route.model('/v1/responses')}"
+        reply = await self._call(url, body, self.model_timeout_s, cookies)
+        cookies.update(reply.cookies)
+        response = self._require_ok(reply)
+        if not isinstance(response, dict) or not isinstance(response.get("output"), list):
+            raise _UpstreamFailure(
+                500, f"Received an invalid response from model server: {reply.text[:2000]}"
+            )
+        return response
+
+    # ---------------------------------------------------------- tool style
+    async def _run_tools(self, row: dict[str, Any], caller: dict[str, str], route: _Route) -> dict[str, Any]:
+        rcp = row["responses_create_params"]
+        resources_cookies = dict(caller)
+        seed = await self._call(
+            f"{self.resources_url}{route.resources('/seed_session')}",
+            row,
+            self.env_timeout_s,
+            resources_cookies,
+        )
+        self._require_ok(seed)
+        resources_cookies.update(seed.cookies)
+        response, model_cookies = await self._episode(rcp, resources_cookies, route)
+        verify_body = {**row, "response": response}
+        reply = await self._call(
+            f"{self.resources_url}{route.resources('/verify')}",
+            verify_body,
+            self.env_timeout_s,
+            {**caller, **resources_cookies, **model_cookies},
+        )
+        result = self._require_ok(reply)
+        if not isinstance(result, dict) or not isinstance(result.get("reward"), (int, float)):
+            raise _UpstreamFailure(500, f"Received an invalid verify response: {reply.text[:2000]}")
+        return result
+
+    async def _episode(
+        self, rcp: dict[str, Any], resources_cookies: dict[str, str], route: _Route
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Model -> tools -> model ... (at most ``max_steps`` model calls).
+
+        Returns the rollout's Responses object (every item of every turn in
+        ``output``) and the model server's cookies; ``resources_cookies`` is
+        updated in place with what the tools set.
+        """
+        base_input = _as_items(rcp.get("input"))
+        model_cookies: dict[str, str] = {}
+        outputs: list[Any] = []
+        usage: dict[str, Any] | None = None
+        status = "completed"
+        last: dict[str, Any] = {}
+        for step in range(1, self.max_steps + 1):
+            last = await self._model(rcp, base_input + outputs, model_cookies, route)
+            output = last["output"]
+            outputs.extend(output)
+            usage = _add_usage(usage, last.get("usage"))
+            if last.get("incomplete_details"):
+                status = "incomplete"
+                break
+            calls = [o for o in output if isinstance(o, dict) and o.get("type") == "function_call"]
+            messages = [
+                o
+                for o in output
+                if isinstance(o, dict) and o.get("type") == "message" and o.get("role") == "assistant"
+            ]
+            if not calls:
+                if not messages:
+                    status = "incomplete"
+                    last["metadata"] = {
+                        **(last.get("metadata") or {}),
+                        "ng_termination_reason": "incomplete_reasoning" if output else "empty_output",
+                    }
+                break
+            for call in calls:
+                outputs.extend(await self._tool(call, resources_cookies, route))
+            if step >= self.max_steps:
+                status = "incomplete"
+                logger.info("%s: max_steps=%d reached", self.cookie_name, self.max_steps)
+
+        return {**last, "output": outputs, "usage": usage, "status": status}, model_cookies
+
+    async def _tool(
+        self, call: dict[str, Any], cookies: dict[str, str], route: _Route
+    ) -> list[dict[str, Any]]:
+        call_id = call.get("call_id")
+        name = str(call.get("name", ""))
+        try:
+            arguments = json.loads(call.get("arguments") or "")
+        except (ValueError, TypeError) as exc:
+            text = _dumps({"error": f"Invalid tool call arguments: {exc!r}"})
+            return [{"type": "function_call_output", "call_id": call_id, "output": text}]
+        if not TOOL_NAME.match(name):
+            text = _dumps({"detail": "Not Found"})
+            return [{"type": "function_call_output", "call_id": call_id, "output": text}]
+        url = f"{self.resources_url}{route.resources('/' + name)}"
+        reply = await self._call(url, arguments, self.tool_timeout_s, cookies)
+        cookies.update(reply.cookies)
+        if reply.status >= 500 and reply.status != 500:
+            # 502/503/504 from a proxy or an overloaded server is infrastructure, not the model's doing.
+            raise _UpstreamFailure(502, f"Tool {name!r} answered HTTP {reply.status}: {reply.text[:2000]}")
+        parts = _tool_parts(reply)
+        if parts is None:
+            return [{"type": "function_call_output", "call_id": call_id, "output": reply.text}]
+        text = "\n".join(str(p.get("text", "")) for p in parts if p.get("type") == "input_text")
+        media = [p for p in parts if p.get("type") != "input_text"]
+        if self.tool_media == "output" or not media:
+            return [{"type": "function_call_output", "call_id": call_id, "output": parts if media else text}]
+        return [
+            {"type": "function_call_output", "call_id": call_id, "output": text},
+            {"type": "message", "role": "user", "content": media},
+        ]
+
+    # ----------------------------------------------------------- gymnasium
+    async def _run_gymnasium(
+        self, row: dict[str, Any], caller: dict[str, str], route: _Route
+    ) -> dict[str, Any]:
+        rcp = row["responses_create_params"]
+        env_cookies = dict(caller)
+        reset_url = f"{self.resources_url}{route.resources('/reset')}"
+        reset = await self._call(reset_url, row, self.env_timeout_s, env_cookies)
+        reset_data = self._require_ok(reset)
+        env_cookies.update(reset.cookies)
+        if not isinstance(reset_data, dict):
+            raise _UpstreamFailure(500, f"Received an invalid reset response: {reset.text[:2000]}")
+        supports_close = (reset_data.get("info") or {}).get("supports_explicit_close") is True
+        base_input = _as_items(rcp.get("input"))
+        first = _observation_message(reset_data)
+        if first is not None:
+            base_input.append(first)
+        base_rcp = {**rcp, "input": base_input}
+
+        model_cookies: dict[str, str] = {}
+        outputs: list[Any] = []
+        usage: dict[str, Any] | None = None
+        total_reward = 0.0
+        step_data: dict[str, Any] = {"terminated": False, "truncated": True, "info": {}}
+        finished = False
+        last: dict[str, Any] = {}
+        try:
+            for _ in range(self.max_steps):
+                last = await self._model(rcp, base_input + outputs, model_cookies, route)
+                outputs.extend(last["output"])
+                usage = _add_usage(usage, last.get("usage"))
+                step_body = {**row, "response": last}
+                reply = await self._call(
+                    f"{self.resources_url}{route.resources('/step')}",
+                    step_body,
+                    self.env_timeout_s,
+                    env_cookies,
+                )
+                step_data = self._require_ok(reply)
+                env_cookies.update(reply.cookies)
+                if not isinstance(step_data, dict) or not isinstance(
+                    step_data.get("reward", 0.0), (int, float)
+                ):
+                    raise _UpstreamFailure(500, f"Received an invalid step response: {reply.text[:2000]}")
+                total_reward += float(step_data.get("reward", 0.0))
+                if step_data.get("terminated") or step_data.get("truncated"):
+                    finished = True
+                    break
+                for tool_output in (step_data.get("info") or {}).get("tool_outputs", []) or []:
+                    outputs.append(
+                        {
+                            "type": "function_call_output",
+                            "call_id": tool_output.get("call_id"),
+                            "output": tool_output.get("output", ""),
+                        }
+                    )
+                message = _observation_message(step_data)
+                if message is not None:
+                    outputs.append(message)
+        finally:
+            if supports_close:
+                try:
+                    await post_json(
+                        self.client,
+                        f"{self.resources_url}{route.resources('/close')}",
+                        {},
+                        timeout_s=self.env_timeout_s,
+                        cookies=env_cookies,
+                    )
+                except EnvError:
+                    logger.exception("%s: closing the environment failed", self.cookie_name)
+        response = {
+            **last,
+            "output": outputs,
+            "usage": usage,
+            "status": "completed" if finished else "incomplete",
+        }
+        return {
+            **row,
+            "responses_create_params": base_rcp,
+            "response": response,
+            "reward": total_reward,
+            "terminated": bool(step_data.get("terminated", False)),
+            "truncated": bool(step_data.get("truncated", False)) or not finished,
+            "info": step_data.get("info") or {},
+            "mask_sample": False,
+            "failure_kind": None,
+            "failure_reason": None,
+        }
+
+
+# ------------------------------------------------------------------ helpers
+def _dumps(value: Any) -> str:
+    return json.dumps(value)
+
+
+def _as_items(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"role": "user", "content": value, "type": "message"}]
+    if isinstance(value, list):
+        return list(value)
+    raise _UpstreamFailure(
+        422, f"responses_create_params.input must be a string or a list, got {type(value).__name__}"
+    )
+
+
+def _observation_message(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The user message for an observation: content parts when given, else the text."""
+    content = data.get("observation_content")
+    if isinstance(content, list) and content:
+        return {"role": "user", "content": content, "type": "message"}
+    text = data.get("observation")
+    if text:
+        return {"role": "user", "content": str(text), "type": "message"}
+    return None
+
+
+def _tool_parts(reply: Reply) -> list[dict[str, Any]] | None:
+    if reply.headers.get(PARTS_HEADER) != "parts":
+        return None
+    try:
+        parts = reply.json()
+    except ProtocolError:
+        return None
+    if isinstance(parts, list) and all(isinstance(p, dict) and "type" in p for p in parts):
+        return parts
+    return None
+
+
+def _add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return total
+    if total is None:
+        return {k: v for k, v in usage.items()}
+    out = dict(total)
+    for key in ("input_tokens", "output_tokens", "total_tokens"):
+        a, b = out.get(key), usage.get(key)
+        if isinstance(a, int) and isinstance(b, int):
+            out[key] = a + b
+    return out

@@ -1,0 +1,304 @@
+"""The HTTP core every gymbridge server shares: routing, sessions, health, error bodies.
+
+A :class:`GymServer` owns one ``aiohttp.web.Application`` whose single catch-all
+route dispatches on ``(method, path)`` after stripping a ``/ng-rollout/<id>``
+prefix, so prefixed and bare paths reach the same handler.
+
+Invariants:
+
+* every server answers ``GET /``, ``/livez``, ``/healthz``, ``/readyz`` and
+  ``/health`` with ``{"status": "ok"}``;
+* sessions live in a cookie named ``<ServerClass>___<instance>`` (NeMo Gym's
+  name); a server reads only its own cookie, so many servers' cookies may
+  travel together in one ``Cookie`` header; every response (re)sets it;
+* the session store is bounded (``max_sessions``; oldest evicted first), so a
+  client that never closes sessions cannot grow memory without bound;
+* a handler is cancelled when its client disconnects (``handler_cancellation``),
+  so a caller's deadline also stops the work it started downstream;
+* no request kills the server: unknown paths answer 404, wrong methods 405,
+  malformed JSON 400, and an unexpected exception in a handler becomes a 500
+  whose body is a JSON string (``repr`` of the exception), as stock Gym does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import socket
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+__all__ = [
+    "MAX_BODY_BYTES",
+    "GymServer",
+    "HttpError",
+    "RequestContext",
+    "RunningServer",
+    "Session",
+    "free_port",
+    "json_response",
+    "serve",
+    "start_server",
+]
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 256 * 1024 * 1024
+"""Request body cap: verify payloads carry every turn's images as data URLs."""
+
+ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/(?P<rollout_id>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>/.*)?$")
+HEALTH_PATHS = ("/", "/livez", "/healthz", "/readyz", "/health")
+
+
+class HttpError(Exception):
+    """Raised by a handler to answer with ``status`` and a JSON ``payload``."""
+
+    def __init__(self, status: int, payload: Any) -> None:
+        super().__init__(f"HTTP {status}: {payload!r}")
+        self.status = status
+        self.payload = payload
+
+
+@dataclass
+class Session:
+    """Per-session state a server keeps between calls of one rollout."""
+
+    id: str
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestContext:
+    """What a route handler sees: the request, its session, its parsed path."""
+
+    request: web.Request
+    path: str
+    rollout_id: str | None
+    session: Session
+    _body: bytes | None = None
+
+    async def body_bytes(self) -> bytes:
+        if self._body is None:
+            self._body = await self.request.read()
+        return self._body
+
+    async def json(self) -> Any:
+        """The JSON body; a malformed one answers 400 with a JSON error."""
+        raw = await self.body_bytes()
+        if not raw.strip():
+            raise HttpError(400, {"detail": "request body is empty; expected JSON"})
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise HttpError(400, {"detail": f"request body is not valid JSON: {exc}"}) from None
+
+    async def json_object(self) -> dict[str, Any]:
+        """The JSON body, which must be an object (422 otherwise, as FastAPI answers)."""
+        body = await self.json()
+        if not isinstance(body, dict):
+            raise HttpError(
+                422,
+                {
+                    "detail": [
+                        {"type": "dict_type", "loc": ["body"], "msg": "Input should be a valid dictionary"}
+                    ]
+                },
+            )
+        return body
+
+
+Handler = Callable[[RequestContext], Awaitable[web.StreamResponse]]
+
+
+def json_response(payload: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response serialised with orjson (non-str keys and numpy scalars are refused loudly)."""
+    return web.Response(
+        body=orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+class GymServer:
+    """Base of every gymbridge HTTP server (resources server, agent, scripted model).
+
+    Subclasses register routes with :meth:`add_route` in ``__init__``; they
+    never touch aiohttp routing directly.
+    """
+
+    def __init__(self, *, instance_name: str | None = None, max_sessions: int = 100_000) -> None:
+        self.instance_name = instance_name or type(self).__name__
+        self.max_sessions = max_sessions
+        self._routes: dict[str, dict[str, Handler]] = {}
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        for path in HEALTH_PATHS:
+            self.add_route("GET", path, self._health)
+
+    # ---------------------------------------------------------------- routing
+    @property
+    def cookie_name(self) -> str:
+        """NeMo Gym's session cookie name: ``<ServerClass>___<instance>``."""
+        return f"{type(self).__name__}___{self.instance_name}"
+
+    def add_route(self, method: str, path: str, handler: Handler) -> None:
+        self._routes.setdefault(path, {})[method.upper()] = handler
+
+    def routes(self) -> dict[str, list[str]]:
+        """Every served path and its methods (for docs and conformance checks)."""
+        return {path: sorted(methods) for path, methods in self._routes.items()}
+
+    def make_app(self) -> web.Application:
+        """A fresh ``aiohttp`` application serving this server."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_route("*", "/{tail:.*}", self._dispatch)
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def on_startup(self) -> None:
+        """Hook: open outbound clients etc. (runs inside the serving loop)."""
+
+    async def on_cleanup(self) -> None:
+        """Hook: close what :meth:`on_startup` opened."""
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        await self.on_startup()
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        await self.on_cleanup()
+
+    # --------------------------------------------------------------- sessions
+    def session(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def drop_session(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    def _session_for(self, request: web.Request) -> Session:
+        session_id = request.cookies.get(self.cookie_name)
+        if session_id is not None:
+            found = self._sessions.get(session_id)
+            if found is not None:
+                self._sessions.move_to_end(session_id)
+                return found
+        session = Session(id=session_id or secrets.token_urlsafe(18))
+        self._sessions[session.id] = session
+        while len(self._sessions) > self.max_sessions:
+            evicted, _ = self._sessions.popitem(last=False)
+            logger.warning(
+                "%s: session store full (%d); evicted session %s",
+                self.cookie_name,
+                self.max_sessions,
+                evicted,
+            )
+        return session
+
+    # --------------------------------------------------------------- dispatch
+    async def _health(self, ctx: RequestContext) -> web.StreamResponse:
+        return json_response({"status": "ok"})
+
+    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
+        path = request.path
+        rollout_id: str | None = None
+        match = ROLLOUT_PREFIX.match(path)
+        if match is not None:
+            rollout_id = match.group("rollout_id")
+            path = match.group("rest") or "/"
+        methods = self._routes.get(path)
+        if methods is None and len(path) > 1 and path.endswith("/"):
+            methods = self._routes.get(path.rstrip("/"))
+        if methods is None:
+            return json_response({"detail": "Not Found"}, status=404)
+        handler = methods.get(request.method)
+        if handler is None:
+            return json_response({"detail": "Method Not Allowed"}, status=405)
+        is_health = path in HEALTH_PATHS
+        session = Session(id="") if is_health else self._session_for(request)
+        ctx = RequestContext(request=request, path=path, rollout_id=rollout_id, session=session)
+        try:
+            response = await handler(ctx)
+        except HttpError as exc:
+            response = json_response(exc.payload, status=exc.status)
+        except asyncio.CancelledError:
+            raise
+        except web.HTTPException:
+            raise
+        except Exception as exc:
+            logger.warning("%s: %s %s raised %r", self.cookie_name, request.method, request.path, exc)
+            logger.debug("traceback", exc_info=True)
+            response = json_response(repr(exc), status=500)
+        if not is_health and not response.prepared:
+            response.set_cookie(self.cookie_name, session.id, httponly=True, samesite="Lax")
+        return response
+
+
+# ------------------------------------------------------------------ running
+def free_port(host: str = "127.0.0.1") -> int:
+    """A currently free TCP port on ``host`` (racy by nature; prefer ``port=0``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class RunningServer:
+    """A server started in the current event loop; ``await stop()`` ends it."""
+
+    url: str
+    host: str
+    port: int
+    _runner: web.AppRunner
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def __aenter__(self) -> RunningServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def start_server(
+    server: GymServer | web.Application, host: str = "127.0.0.1", port: int = 0
+) -> RunningServer:
+    """Start ``server`` in this loop on ``host:port`` (``port=0``: a free port) and return its URL."""
+    app = server.make_app() if isinstance(server, GymServer) else server
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound_port = int(runner.addresses[0][1])
+    return RunningServer(url=f"http://{host}:{bound_port}", host=host, port=bound_port, _runner=runner)
+
+
+def serve(server: GymServer, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve ``server`` until interrupted (blocking; for CLIs and ``python -m``)."""
+    logger.info("serving %s on http://%s:%d", server.cookie_name, host, port)
+    web.run_app(
+        server.make_app(),
+        host=host,
+        port=port,
+        print=None,
+        access_log=None,
+        backlog=1024,
+        handler_cancellation=True,
+    )

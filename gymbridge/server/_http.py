@@ -1,0 +1,129 @@
+"""Outbound HTTP for servers (the agent): one aiohttp boundary, deadlines, error mapping.
+
+Every call goes through :func:`post_json`, which is the only place aiohttp
+exceptions are turned into gymbridge errors:
+
+* the deadline (``timeout_s``, covering connect + send + the whole body) passing
+  -> :class:`~gymbridge.errors.EnvTimeoutError`;
+* refused / reset / closed mid-body / invalid HTTP -> :class:`~gymbridge.errors.EnvTransportError`.
+
+A non-2xx status is *not* raised here: callers decide (a tool's 422 is a
+model-visible body, a model server's 500 is fatal to the rollout).
+
+Cookies never go through a shared jar: callers pass the exact cookies to send
+and get back the ones the server set, so concurrent rollouts cannot see each
+other's sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, ProtocolError
+
+__all__ = ["Reply", "cookie_header", "get", "make_client_session", "post_json"]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A server's answer: status, raw body, the cookies it set, its headers."""
+
+    url: str
+    status: int
+    body: bytes
+    cookies: dict[str, str]
+    headers: dict[str, str]
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def text(self) -> str:
+        return self.body.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        try:
+            return orjson.loads(self.body)
+        except orjson.JSONDecodeError as exc:
+            raise ProtocolError(f"{self.url}: body is not JSON ({exc}): {self.text[:200]!r}") from exc
+
+    def raise_for_status(self) -> None:
+        if not self.ok:
+            raise EnvServerError(
+                f"{self.url} answered HTTP {self.status}: {self.text[:500]}",
+                status=self.status,
+                body=self.text[:4000],
+                server=self.url,
+            )
+
+
+def make_client_session(max_connections: int = 1024) -> aiohttp.ClientSession:
+    """A client session with no cookie jar (cookies are forwarded by hand) and a connection cap."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=False),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        json_serialize=lambda obj: orjson.dumps(obj).decode(),
+    )
+
+
+def cookie_header(*jars: dict[str, str]) -> dict[str, str]:
+    """One ``Cookie`` header carrying every jar's cookies (later jars win on a name clash)."""
+    merged: dict[str, str] = {}
+    for jar in jars:
+        merged.update(jar)
+    if not merged:
+        return {}
+    return {"Cookie": "; ".join(f"{k}={v}" for k, v in merged.items())}
+
+
+async def post_json(
+    client: aiohttp.ClientSession,
+    url: str,
+    payload: Any,
+    *,
+    timeout_s: float,
+    cookies: dict[str, str] | None = None,
+) -> Reply:
+    """POST ``payload`` (JSON-serialised unless already bytes) to ``url`` with a hard deadline."""
+    headers = {"Content-Type": "application/json", **cookie_header(cookies or {})}
+    data = payload if isinstance(payload, bytes) else orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+    return await _request(client, "POST", url, data, headers, timeout_s)
+
+
+async def get(
+    client: aiohttp.ClientSession, url: str, *, timeout_s: float, cookies: dict[str, str] | None = None
+) -> Reply:
+    """GET ``url`` with a hard deadline."""
+    return await _request(client, "GET", url, None, cookie_header(cookies or {}), timeout_s)
+
+
+async def _request(
+    client: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    data: bytes | None,
+    headers: dict[str, str],
+    timeout_s: float,
+) -> Reply:
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.request(method, url, data=data, headers=headers) as resp:
+                body = await resp.read()
+                set_cookies = {name: morsel.value for name, morsel in resp.cookies.items()}
+                return Reply(
+                    url=url,
+                    status=resp.status,
+                    body=body,
+                    cookies=set_cookies,
+                    headers={k: v for k, v in resp.headers.items()},
+                )
+    except TimeoutError as exc:
+        raise EnvTimeoutError(f"{url}: no complete answer within {timeout_s:g}s", server=url) from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
