@@ -1,0 +1,287 @@
+"""Payload benchmark (issue 4 §6): pickle-5 bytes per boundary, dedup off vs on, and build/shard/pickle time.
+
+Run: ``.venv/bin/python benchmarks/payload.py`` (options: ``--prompts``, ``--groups``, ``--repeats``).
+
+Setup: ``B`` prompts x ``G`` rollouts, one 448x448 image per prompt processed at full
+resolution by a Qwen2-VL image processor (1024 patches -> 256 placeholder tokens,
+4.8 MB of fp32 ``pixel_values`` per image); every rollout loads its prompt image
+separately (separate ``MediaItem`` s over the same bytes: only provenance can merge
+them). Variant ``tool``: one sample in four also gets a unique 448x448 tool image
+at its second model turn.
+
+Boundaries: ``prompt_repeat`` (the prompts' media repeated G times), ``rollout_to_policy``
+(the whole ``TrainBatch``), ``policy_shard`` (the largest shard at DP = 2 and 8), and
+``replay_checkpoint`` (the replay buffer's content: one ``TrainBatch`` per group). Each
+ratio (bytes off / bytes on) is printed beside its ideal: logical bytes / unique bytes,
+where both sides count every non-media tensor once (tokens cannot be deduplicated) and
+media by reference (logical) or by unique segment (unique). Ratios are measured within
+one run, so machine noise cancels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import io
+import pickle
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gymbridge.media import MediaItem
+from gymbridge.metrics import payload_stats
+from gymbridge.tensors import MediaLike, MediaProcessor, PackedTensor, ProcessedMedia, TrainBatch
+from gymbridge.testing.tiny_vlm import TinyVLM, TinyVLMProcessor, build_tiny_vlm
+from gymbridge.trajectory.types import Trajectory, Turn
+
+IMAGE_SIDE = 448
+GEN_TOKENS = 32
+
+
+def _png(seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(0, 256, size=(IMAGE_SIDE, IMAGE_SIDE, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
+    return buf.getvalue()
+
+
+def _prompt(tiny: TinyVLM, n_image_tokens: int) -> list[int]:
+    ids = [tiny.im_start_token_id, *range(40, 60)]
+    if n_image_tokens:
+        ids += [
+            tiny.vision_start_token_id,
+            *([tiny.image_token_id] * n_image_tokens),
+            tiny.vision_end_token_id,
+        ]
+    return ids
+
+
+def _turn(tiny: TinyVLM, index: int, media: list[MediaItem], tokens_per_image: int) -> Turn:
+    gen = [60 + (index + k) % 100 for k in range(GEN_TOKENS - 1)] + [tiny.eos_token_id]
+    return Turn(
+        index=index,
+        item_index=2 * index,
+        kind="message",
+        segment=0,
+        prompt_token_ids=_prompt(tiny, tokens_per_image * len(media)),
+        generation_token_ids=gen,
+        generation_logprobs=[-0.25] * len(gen),
+        media=media,
+    )
+
+
+def make_trajectories(
+    tiny: TinyVLM, prompts: int, g: int, tool: bool, tokens_per_image: int
+) -> list[Trajectory]:
+    out: list[Trajectory] = []
+    for p in range(prompts):
+        raw = _png(p)
+        for s in range(g):
+            turns = [_turn(tiny, 0, [MediaItem.from_bytes(raw, "image")], tokens_per_image)]
+            if tool and s % 4 == 0:
+                unique = MediaItem.from_bytes(_png(10_000 + p * 1000 + s), "image")
+                turns.append(_turn(tiny, 1, [unique], tokens_per_image))
+            out.append(Trajectory(turns=turns, reward=float((p + s) % 3)))
+    return out
+
+
+def _dense_nbytes(batch: TrainBatch) -> int:
+    tensors = [
+        batch.input_ids,
+        batch.attention_mask,
+        batch.loss_mask,
+        batch.logprobs,
+        batch.advantages,
+        batch.rewards,
+        batch.group_ids,
+        batch.sample_ids,
+        batch.segment_ids,
+        batch.sample_mask,
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _ideal(obj: Any) -> float:
+    """(non-media tensor bytes + logical media bytes) / (non-media tensor bytes + unique media bytes)."""
+    batches = obj if isinstance(obj, list) else [obj]
+    dense = sum(_dense_nbytes(b) for b in batches if isinstance(b, TrainBatch))
+    stats = payload_stats(obj)
+    return (dense + stats.logical_media_bytes) / (dense + stats.physical_media_bytes)
+
+
+def _bytes(obj: Any) -> int:
+    return payload_stats(obj).serialized_bytes
+
+
+class _Replay(MediaProcessor):
+    """A MediaProcessor that replays one processing result, so pack timings exclude processing."""
+
+    def __init__(self, processor: Any, cache: dict[str, ProcessedMedia]) -> None:
+        super().__init__(processor)
+        self._cache = cache
+
+    def process(self, items: Sequence[MediaLike]) -> dict[str, ProcessedMedia]:
+        return {item.key: self._cache[item.key] for item in items}
+
+
+def _best_interleaved(
+    fn_a: Callable[[], Any], fn_b: Callable[[], Any], repeats: int, number: int = 5
+) -> tuple[float, float]:
+    """Best mean time per call of two fast functions, measured alternately (drift hits both)."""
+    best_a = best_b = float("inf")
+    for _ in range(repeats):
+        for fn, which in ((fn_a, "a"), (fn_b, "b")):
+            gc.collect()
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            dt = (time.perf_counter() - t0) / number
+            if which == "a":
+                best_a = min(best_a, dt)
+            else:
+                best_b = min(best_b, dt)
+    return best_a, best_b
+
+
+def _fmt(n: float) -> str:
+    return f"{n / 2**20:9.2f} MiB"
+
+
+def _first_media(batch: TrainBatch, rows: torch.Tensor) -> dict[str, PackedTensor]:
+    """Each row's first media reference (the prompt image), one row per given batch row."""
+    out: dict[str, PackedTensor] = {}
+    for key, packed in batch.media.items():
+        firsts = packed.refs[packed.offsets[rows]].tolist()
+        out[key] = PackedTensor.from_rows(
+            [[packed.segments[j]] for j in firsts], [[packed.provenance[j]] for j in firsts]
+        )
+    return out
+
+
+def _pickle_and_copy(obj: Any) -> int:
+    """Pickle-5 ``obj`` and copy every out-of-band buffer once, as a transport would."""
+    copied: list[bytes] = []
+    stream = pickle.dumps(obj, protocol=5, buffer_callback=lambda b: copied.append(memoryview(b).tobytes()))
+    return len(stream) + sum(len(c) for c in copied)
+
+
+def run_config(
+    tiny: TinyVLM,
+    full: TinyVLMProcessor,
+    prompts: int,
+    g: int,
+    tool: bool,
+    tokens_per_image: int,
+    repeats: int,
+) -> tuple[list[str], str]:
+    """The table lines and the timing line of one (G, variant)."""
+    variant = "tool" if tool else "single"
+    trajs = make_trajectories(tiny, prompts, g, tool, tokens_per_image)
+
+    items = [m for t in trajs for turn in t.turns for m in turn.media]
+    t_proc, _ = _best_interleaved(lambda: MediaProcessor(full).process(items), lambda: None, repeats, 1)
+    replay = _Replay(full, MediaProcessor(full).process(items))
+
+    def build(dedup: bool) -> TrainBatch:
+        return TrainBatch.from_trajectories(trajs, replay, group_size=g, dedup=dedup)
+
+    on, off = build(True), build(False)
+    t_on, t_off = _best_interleaved(lambda: build(True), lambda: build(False), max(repeats, 9), number=1)
+    lines: list[str] = []
+    for dtype_name, cast in (("fp32", None), ("bf16", torch.bfloat16)):
+        b_on = on if cast is None else on.cast_media(cast)
+        b_off = off if cast is None else off.cast_media(cast)
+        # prompt_repeat: each prompt's image, repeated G times before generation
+        prompt_media = _first_media(b_on, torch.arange(0, len(b_on), g))
+        repeat_on = {k: v.repeat_interleave(g) for k, v in prompt_media.items()}
+        repeat_off = {k: v.unshared() for k, v in repeat_on.items()}
+        rows: list[tuple[str, Any, Any]] = [
+            ("prompt_repeat", repeat_on, repeat_off),
+            ("rollout_to_policy", b_on, b_off),
+        ]
+        for dp in (2, 8):
+            shards_on, shards_off = b_on.shard(dp), b_off.shard(dp)
+            sizes = [_bytes(sh) for sh in shards_on]
+            worst = sizes.index(max(sizes))
+            rows.append((f"policy_shard DP={dp} max", shards_on[worst], shards_off[worst]))
+        groups_on = [b_on.select(torch.nonzero(b_on.group_ids == k).reshape(-1)) for k in range(prompts)]
+        groups_off = [b_off.select(torch.nonzero(b_off.group_ids == k).reshape(-1)) for k in range(prompts)]
+        rows.append(("replay_checkpoint", groups_on, groups_off))
+        for name, obj_on, obj_off in rows:
+            n_on, n_off = _bytes(obj_on), _bytes(obj_off)
+            ratio, ideal = n_off / n_on, _ideal(obj_on)
+            lines.append(
+                f"{g:>3} {variant:<7} {dtype_name:<5} {name:<22} {_fmt(n_off)} {_fmt(n_on)} "
+                f"{ratio:>6.2f}x {ideal:>6.2f}x {100 * ratio / ideal:>7.1f}%"
+            )
+    t_shard_on, t_shard_off = _best_interleaved(lambda: on.shard(8), lambda: off.shard(8), max(15, repeats))
+    t_pk_on, t_pk_off = _best_interleaved(
+        lambda: _pickle_and_copy(on), lambda: _pickle_and_copy(off), repeats, 1
+    )
+    timing = (
+        f"{g:>3} {variant:<7} {1e3 * t_proc:>8.1f} {1e3 * t_off:>9.1f} {1e3 * t_on:>9.1f} "
+        f"{1e3 * t_shard_off:>9.1f} {1e3 * t_shard_on:>9.1f} {1e3 * t_pk_off:>10.1f} {1e3 * t_pk_on:>9.1f}"
+    )
+    return lines, timing
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4, help="B: prompts per batch")
+    parser.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16], help="G values")
+    parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best of)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: stable timings on shared CPUs)"
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    tiny = build_tiny_vlm(0)
+    # Full-resolution Qwen2-VL image processing (the tiny test processor caps pixels lower).
+    full = TinyVLMProcessor(tiny.tokenizer, type(tiny.processor.image_processor)())
+    probe = full.image_processor(images=[Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE))], return_tensors="pt")
+    tokens_per_image = int(probe["image_grid_thw"].prod()) // 4
+    print(
+        f"B={args.prompts} prompts, {IMAGE_SIDE}x{IMAGE_SIDE} image -> pixel_values "
+        f"{tuple(probe['pixel_values'].shape)} fp32 ({_fmt(probe['pixel_values'].nbytes).strip()}), "
+        f"{tokens_per_image} placeholder tokens; torch {torch.__version__}, {args.threads} thread(s)\n"
+    )
+    header = (
+        f"{'G':>3} {'variant':<7} {'dtype':<5} {'boundary':<22} {'dedup off':>13} {'dedup on':>13} "
+        f"{'ratio':>7} {'ideal':>7} {'of ideal':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    timings: list[str] = []
+    for g in args.groups:
+        for tool in (False, True):
+            lines, timing = run_config(tiny, full, args.prompts, g, tool, tokens_per_image, args.repeats)
+            print("\n".join(lines))
+            timings.append(timing)
+    print()
+    th = (
+        f"{'G':>3} {'variant':<7} {'process':>8} {'pack off':>9} {'pack on':>9} {'shard off':>9} "
+        f"{'shard on':>9} {'pickle off':>10} {'pickle on':>9}"
+    )
+    note = (
+        "ms; on/off measured alternately, best of N. process: MediaProcessor on every reference, each "
+        "key once (the same for on and off); pack: TrainBatch.from_trajectories given the processed "
+        "media; build = process + pack; shard: DP=8; pickle: protocol 5 + copying the out-of-band buffers"
+    )
+    print(th)
+    print("-" * len(th))
+    print("\n".join(timings))
+    print(f"({note})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""Payload metrics: bytes crossing each named boundary (DESIGN §5); see :mod:`.payload`."""
+
+from __future__ import annotations
+
+from gymbridge.metrics.payload import BOUNDARIES, BoundaryTotals, PayloadMeter, PayloadStats, payload_stats
+
+__all__ = ["BOUNDARIES", "BoundaryTotals", "PayloadMeter", "PayloadStats", "payload_stats"]

@@ -1,0 +1,26 @@
+"""Deduplicated tensors: ``PackedTensor`` (CSR rows of shared segments), ``TrainBatch``, ``MediaProcessor``.
+
+Media of a GRPO group exist once from G-expansion to the DP shards; see
+``DESIGN.md`` §4 and each module's docstring for the invariants.
+"""
+
+from __future__ import annotations
+
+from gymbridge.tensors.batch import AdvantageMode, PackedBatch, TrainBatch, group_advantages
+from gymbridge.tensors.packed import IndexLike, PackedTensor, derive_provenance, new_provenance
+from gymbridge.tensors.processor import MediaLike, MediaProcessor, ProcessedMedia, ProcessorStats
+
+__all__ = [
+    "AdvantageMode",
+    "IndexLike",
+    "MediaLike",
+    "MediaProcessor",
+    "PackedBatch",
+    "PackedTensor",
+    "ProcessedMedia",
+    "ProcessorStats",
+    "TrainBatch",
+    "derive_provenance",
+    "group_advantages",
+    "new_provenance",
+]

@@ -1,0 +1,615 @@
+"""``TrainBatch``: the trainer's unit, with media as deduplicated ``PackedTensor`` s.
+
+Rows: one row per trajectory **segment** (a trajectory split at a non-appending
+turn gives several rows sharing its reward and advantage). Per-row fields
+(``B`` rows, ``L`` the padded length):
+
+* ``input_ids`` int64 ``[B, L]`` (right-padded with ``pad_token_id``),
+  ``attention_mask`` int64 ``[B, L]``, ``loss_mask`` float32 ``[B, L]`` (1 on
+  generated tokens of trainable rows), ``logprobs`` float32 ``[B, L]`` (generation
+  logprobs, 0 elsewhere);
+* ``advantages``, ``rewards`` float32 ``[B]``; ``group_ids``, ``sample_ids``
+  (trajectory index at build time), ``segment_ids`` int64 ``[B]``; ``sample_mask``
+  bool ``[B]`` (False for ``mask_sample`` trajectories: kept as rows, loss mask 0,
+  advantage 0, excluded from their group's statistics: nothing silently dropped);
+* ``metadata``: one dict per row; ``media``: output key -> ``PackedTensor`` with
+  exactly ``B`` rows (row ``r`` holds row ``r``'s media in order of appearance;
+  rows without media are empty rows).
+
+Invariants: every per-row tensor and every media ``PackedTensor`` agrees on ``B``;
+operations return new batches and never write into media segments; row selection
+re-interns media (a shard holds only the segments its rows reference, each once).
+``dedup=False`` builds the same types with one media segment per reference (copies,
+fresh ids) for A/B runs: only sharing changes, not code paths.
+
+Advantages (``advantage=``): ``"group_norm"`` ``(r - mean) / (std + eps)`` within each
+group of ``group_size`` consecutive trajectories (unbiased std; 0 for a group with one
+trainable sample), ``"group_mean"`` ``r - mean``, ``"none"`` ``r``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex
+
+import torch
+
+from gymbridge.errors import TrajectoryError
+from gymbridge.tensors._serial import _rebuild_tensor, _tensor_payload
+from gymbridge.tensors.packed import IndexLike, PackedTensor, _as_index
+
+if TYPE_CHECKING:
+    from gymbridge.tensors.processor import MediaLike, MediaProcessor, ProcessedMedia
+    from gymbridge.trajectory.types import Trajectory
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdvantageMode", "PackedBatch", "TrainBatch", "group_advantages"]
+
+AdvantageMode = Literal["group_norm", "group_mean", "none"]
+
+_ROW_TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "logprobs",
+    "advantages",
+    "rewards",
+    "group_ids",
+    "sample_ids",
+    "segment_ids",
+    "sample_mask",
+)
+_NEVER_CAST_SUFFIXES = ("_grid_thw", "_sizes", "_mask", "_lengths", "_ids")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    *,
+    mode: AdvantageMode = "group_norm",
+    eps: float = 1e-6,
+    sample_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Advantages ``[T]`` for rewards ``[T]`` in consecutive groups of ``group_size``.
+
+    Samples where ``sample_mask`` is False get 0 and do not enter their group's mean/std.
+    """
+    if group_size < 1 or rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    r = rewards.to(torch.float64).reshape(-1, group_size)
+    m = (
+        torch.ones_like(r, dtype=torch.float64)
+        if sample_mask is None
+        else sample_mask.to(torch.float64).reshape(-1, group_size)
+    )
+    n = m.sum(dim=1, keepdim=True)
+    mean = (r * m).sum(dim=1, keepdim=True) / n.clamp(min=1)
+    if mode == "none":
+        adv = r
+    elif mode == "group_mean":
+        adv = r - mean
+    elif mode == "group_norm":
+        var = (((r - mean) ** 2) * m).sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)
+        std = torch.where(n > 1, var.sqrt(), torch.zeros_like(var))
+        adv = (r - mean) / (std + eps)
+    else:
+        raise ValueError(f"unknown advantage mode {mode!r}")
+    return (adv * m).reshape(-1).to(torch.float32)
+
+
+def _pad_2d(rows: Sequence[torch.Tensor], length: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), length), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def _pad_cols(t: torch.Tensor, length: int, value: float) -> torch.Tensor:
+    if t.shape[1] >= length:
+        return t
+    return torch.nn.functional.pad(t, (0, length - t.shape[1]), value=value)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class TrainBatch:
+    """Padded token tensors, GRPO fields and deduplicated media; see the module docstring."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    group_ids: torch.Tensor
+    sample_ids: torch.Tensor
+    segment_ids: torch.Tensor
+    sample_mask: torch.Tensor
+    media: dict[str, PackedTensor]
+    metadata: tuple[dict[str, Any], ...]
+    pad_token_id: int = 0
+
+    def __post_init__(self) -> None:
+        b = self.input_ids.shape[0]
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got {tuple(self.input_ids.shape)}")
+        for name in _ROW_TENSORS:
+            t: torch.Tensor = getattr(self, name)
+            if t.shape[0] != b:
+                raise ValueError(f"{name} has {t.shape[0]} rows, input_ids has {b}")
+        for name in ("attention_mask", "loss_mask", "logprobs"):
+            if getattr(self, name).shape != self.input_ids.shape:
+                raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != input_ids shape")
+        for key, packed in self.media.items():
+            if len(packed) != b:
+                raise ValueError(f"media {key!r} has {len(packed)} rows, batch has {b}")
+        if len(self.metadata) != b:
+            raise ValueError(f"{len(self.metadata)} metadata entries for {b} rows")
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def from_trajectories(
+        cls,
+        trajectories: Sequence[Trajectory],
+        processor: MediaProcessor | None,
+        *,
+        group_size: int,
+        dedup: bool = True,
+        advantage: AdvantageMode = "group_norm",
+        eps: float = 1e-6,
+        pad_token_id: int | None = None,
+    ) -> TrainBatch:
+        """Build a batch from complete groups of trajectories (``group_size`` consecutive ones per group).
+
+        Media are processed once per content key (``processor``), placeholder counts are
+        checked per turn (``TrajectoryError`` naming the trajectory, turn and output item),
+        and each media output key becomes a ``PackedTensor`` with one row per segment.
+        """
+        if group_size < 1 or len(trajectories) % group_size:
+            raise ValueError(f"{len(trajectories)} trajectories do not form groups of {group_size}")
+        rewards_t = torch.tensor([t.reward for t in trajectories], dtype=torch.float64)
+        if not bool(torch.isfinite(rewards_t).all()):
+            bad = int((~torch.isfinite(rewards_t)).nonzero()[0])
+            raise TrajectoryError(f"trajectory {bad}: reward {trajectories[bad].reward} is not finite")
+        trainable = torch.tensor([not t.mask_sample for t in trajectories], dtype=torch.bool)
+        adv_t = group_advantages(rewards_t, group_size, mode=advantage, eps=eps, sample_mask=trainable)
+
+        items: list[MediaLike] = [m for t in trajectories for turn in t.turns for m in turn.media]
+        processed: dict[str, ProcessedMedia] = {}
+        if items:
+            if processor is None:
+                raise TrajectoryError("trajectories carry media but no MediaProcessor was given")
+            processed = processor.process(items)
+
+        ids_rows: list[torch.Tensor] = []
+        mask_rows: list[torch.Tensor] = []
+        lp_rows: list[torch.Tensor] = []
+        row_traj: list[int] = []
+        row_seg: list[int] = []
+        metadata: list[dict[str, Any]] = []
+        media_rows: list[list[ProcessedMedia]] = []
+        for ti, traj in enumerate(trajectories):
+            for seg in range(traj.num_segments):
+                turns = traj.segment_turns(seg)
+                row_media: list[ProcessedMedia] = []
+                for turn in turns:
+                    got = [processed[m.key] for m in turn.media]
+                    if processor is not None:
+                        _check_placeholders(
+                            processor, ti, turn.index, turn.item_index, turn.prompt_token_ids, got
+                        )
+                    row_media.extend(got)
+                ids_rows.append(torch.tensor(traj.token_ids(seg), dtype=torch.int64))
+                mask_rows.append(torch.tensor(traj.loss_mask(seg), dtype=torch.float32))
+                lp_rows.append(torch.tensor(traj.logprobs(seg), dtype=torch.float32))
+                row_traj.append(ti)
+                row_seg.append(seg)
+                metadata.append(
+                    {
+                        "task_index": traj.task_index,
+                        "rollout_index": traj.rollout_index,
+                        "truncated": traj.truncated,
+                        "failure_class": traj.failure_class,
+                        **traj.metadata,
+                    }
+                )
+                media_rows.append(row_media)
+
+        if pad_token_id is None:
+            pad_token_id = processor.pad_token_id if processor is not None and processor.pad_token_id else 0
+        length = max((r.numel() for r in ids_rows), default=0)
+        traj_idx = torch.tensor(row_traj, dtype=torch.int64)
+        row_trainable = trainable[traj_idx] if row_traj else torch.zeros(0, dtype=torch.bool)
+        loss_mask = _pad_2d(mask_rows, length, 0.0, torch.float32) * row_trainable[:, None].to(torch.float32)
+        media = _pack_media(media_rows, dedup=dedup)
+        return cls(
+            input_ids=_pad_2d(ids_rows, length, pad_token_id, torch.int64),
+            attention_mask=_pad_2d([torch.ones_like(r) for r in ids_rows], length, 0, torch.int64),
+            loss_mask=loss_mask,
+            logprobs=_pad_2d(lp_rows, length, 0.0, torch.float32),
+            advantages=adv_t[traj_idx] if row_traj else torch.zeros(0),
+            rewards=rewards_t.to(torch.float32)[traj_idx] if row_traj else torch.zeros(0),
+            group_ids=traj_idx // group_size,
+            sample_ids=traj_idx,
+            segment_ids=torch.tensor(row_seg, dtype=torch.int64),
+            sample_mask=row_trainable,
+            media=media,
+            metadata=tuple(metadata),
+            pad_token_id=int(pad_token_id),
+        )
+
+    # ------------------------------------------------------------------ read
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Tokens per row, int64 ``[B]``."""
+        return self.attention_mask.sum(dim=1).to(torch.int64)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def media_physical_nbytes(self) -> int:
+        return sum(p.physical_nbytes for p in self.media.values())
+
+    @property
+    def media_logical_nbytes(self) -> int:
+        return sum(p.logical_nbytes for p in self.media.values())
+
+    # ------------------------------------------------------------------ transform
+    def select(self, indices: IndexLike) -> TrainBatch:
+        """Rows ``indices`` in that order (repeats allowed); media re-interned."""
+        idx = _as_index(indices, len(self))
+        kw: dict[str, Any] = {name: getattr(self, name)[idx] for name in _ROW_TENSORS}
+        meta = [self.metadata[i] for i in idx.tolist()]
+        return replace(
+            self, **kw, media={k: v.select(idx) for k, v in self.media.items()}, metadata=tuple(meta)
+        )
+
+    def __getitem__(self, index: IndexLike) -> TrainBatch:
+        return self.select(index)
+
+    def repeat_interleave(self, repeats: int | torch.Tensor) -> TrainBatch:
+        """Repeat each row ``repeats`` times (int or int64 ``[B]``); media rows share segments."""
+        rows = torch.arange(len(self), dtype=torch.int64)
+        reps = repeats.to("cpu", torch.int64) if isinstance(repeats, torch.Tensor) else int(repeats)
+        return self.select(torch.repeat_interleave(rows, reps))
+
+    def trim(self) -> TrainBatch:
+        """Drop trailing columns that are padding in every row."""
+        length = int(self.lengths.max()) if len(self) else 0
+        if length == self.seq_len:
+            return self
+        return replace(
+            self,
+            input_ids=self.input_ids[:, :length],
+            attention_mask=self.attention_mask[:, :length],
+            loss_mask=self.loss_mask[:, :length],
+            logprobs=self.logprobs[:, :length],
+        )
+
+    @staticmethod
+    def cat(batches: Sequence[TrainBatch], *, renumber: bool = False) -> TrainBatch:
+        """Rows of ``batches`` one after another (padded to the longest); media re-interned by provenance.
+
+        Ids are kept as they are by default (``cat`` of shards of one batch restores it).
+        ``renumber=True`` offsets each part's ``group_ids`` and ``sample_ids`` past the
+        previous parts' maxima, for joining separately built batches (e.g. one per group)
+        whose ids all start at 0.
+        """
+        if not batches:
+            raise ValueError("TrainBatch.cat needs at least one batch")
+        if renumber:
+            shifted: list[TrainBatch] = []
+            next_group = next_sample = 0
+            for b in batches:
+                shifted.append(
+                    replace(b, group_ids=b.group_ids + next_group, sample_ids=b.sample_ids + next_sample)
+                )
+                if len(b):
+                    next_group += int(b.group_ids.max()) + 1
+                    next_sample += int(b.sample_ids.max()) + 1
+            batches = shifted
+        length = max(b.seq_len for b in batches)
+        pad_id = batches[0].pad_token_id
+        keys = sorted({k for b in batches for k in b.media})
+        pads = {"input_ids": pad_id, "attention_mask": 0, "loss_mask": 0.0, "logprobs": 0.0}
+        kw: dict[str, Any] = {}
+        for name in _ROW_TENSORS:
+            parts = [getattr(b, name) for b in batches]
+            if name in pads:
+                parts = [_pad_cols(p, length, pads[name]) for p in parts]
+            kw[name] = torch.cat(parts)
+        media = {
+            k: PackedTensor.cat([b.media[k] if k in b.media else PackedTensor.empty(len(b)) for b in batches])
+            for k in keys
+        }
+        meta = tuple(m for b in batches for m in b.metadata)
+        return TrainBatch(**kw, media=media, metadata=meta, pad_token_id=pad_id)
+
+    def shard(self, num_shards: int, *, group_aware: bool = True) -> list[TrainBatch]:
+        """Split into ``num_shards`` DP shards whose row counts differ by at most one.
+
+        With ``group_aware`` whole groups are placed on one shard where the sizes allow
+        (largest groups first, into the shard with the most room that fits them); only
+        groups that fit nowhere are split across shards. Each shard holds only the media
+        segments its rows reference.
+        """
+        if num_shards < 1:
+            raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+        n = len(self)
+        capacity = [n // num_shards + (1 if s < n % num_shards else 0) for s in range(num_shards)]
+        if not group_aware:
+            bounds = [0]
+            for c in capacity:
+                bounds.append(bounds[-1] + c)
+            return [self.select(slice(bounds[s], bounds[s + 1])) for s in range(num_shards)]
+        gids, inverse, counts = torch.unique(self.group_ids, return_inverse=True, return_counts=True)
+        order = torch.argsort(inverse, stable=True)
+        starts = torch.cumsum(counts, 0) - counts
+        members = [order[int(starts[g]) : int(starts[g] + counts[g])] for g in range(gids.numel())]
+        room = list(capacity)
+        assigned: list[list[torch.Tensor]] = [[] for _ in range(num_shards)]
+        leftovers: list[torch.Tensor] = []
+        for g in sorted(range(len(members)), key=lambda g: (-members[g].numel(), g)):
+            size = members[g].numel()
+            fits = [s for s in range(num_shards) if room[s] >= size]
+            if not fits:
+                leftovers.append(members[g])
+                continue
+            s = max(fits, key=lambda s: (room[s], -s))
+            assigned[s].append(members[g])
+            room[s] -= size
+        if leftovers:
+            logger.debug("shard: %d group(s) do not fit one shard and are split", len(leftovers))
+            rest = torch.cat(leftovers)
+            pos = 0
+            for s in range(num_shards):
+                if room[s]:
+                    assigned[s].append(rest[pos : pos + room[s]])
+                    pos += room[s]
+                    room[s] = 0
+        out: list[TrainBatch] = []
+        for s in range(num_shards):
+            idx = torch.cat(assigned[s]) if assigned[s] else torch.zeros(0, dtype=torch.int64)
+            out.append(self.select(torch.sort(idx).values))
+        return out
+
+    def micro_batches(self, max_tokens: int) -> list[TrainBatch]:
+        """Dynamic batching: micro-batches whose padded size (rows x longest row) fits ``max_tokens``.
+
+        Rows are grouped longest first (similar lengths together, less padding); inside a
+        micro-batch rows keep their batch order and padding is trimmed. Every row lands
+        in exactly one micro-batch; a row longer than ``max_tokens`` raises ``ValueError``.
+        """
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        lengths = self.lengths
+        if len(self) and int(lengths.max()) > max_tokens:
+            worst = int(lengths.argmax())
+            raise ValueError(f"row {worst} has {int(lengths[worst])} tokens, over max_tokens={max_tokens}")
+        order = torch.argsort(lengths, descending=True, stable=True).tolist()
+        bins: list[list[int]] = []
+        longest = 0
+        for i in order:
+            if bins and (len(bins[-1]) + 1) * longest <= max_tokens:
+                bins[-1].append(i)
+                continue
+            bins.append([i])
+            longest = max(int(lengths[i]), 1)
+        return [self.select(sorted(b)).trim() for b in bins]
+
+    def pack(self, max_len: int) -> PackedBatch:
+        """Sequence packing: rows into bins of ``max_len`` tokens (first-fit decreasing).
+
+        Media follow their rows: ``PackedBatch.media`` has one row per packed sequence in
+        packed order, and bin ``b`` owns rows ``bin_offsets[b]:bin_offsets[b+1]``.
+        """
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        lengths = self.lengths
+        if len(self) and int(lengths.max()) > max_len:
+            worst = int(lengths.argmax())
+            raise ValueError(f"row {worst} has {int(lengths[worst])} tokens, over max_len={max_len}")
+        room: list[int] = []
+        bins: list[list[int]] = []
+        for i in torch.argsort(lengths, descending=True, stable=True).tolist():
+            need = int(lengths[i])
+            for b, free in enumerate(room):
+                if free >= need:
+                    bins[b].append(i)
+                    room[b] -= need
+                    break
+            else:
+                bins.append([i])
+                room.append(max_len - need)
+        row_index = torch.tensor([i for b in bins for i in b], dtype=torch.int64)
+        seq_lens = lengths[row_index]
+        bin_sizes = torch.tensor([len(b) for b in bins], dtype=torch.int64)
+        bin_offsets = torch.zeros(len(bins) + 1, dtype=torch.int64)
+        torch.cumsum(bin_sizes, 0, out=bin_offsets[1:])
+        # Destination of every real token: bin * max_len + start-in-bin + position-in-row.
+        bin_of_row = torch.repeat_interleave(torch.arange(len(bins), dtype=torch.int64), bin_sizes)
+        ends = torch.cumsum(seq_lens, 0)
+        row_starts = ends - seq_lens
+        bin_first = row_starts[bin_offsets[:-1]] if len(bins) else torch.zeros(0, dtype=torch.int64)
+        start_in_bin = row_starts - bin_first[bin_of_row]
+        total = int(seq_lens.sum())
+        pos_in_row = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(row_starts, seq_lens)
+        dest = torch.repeat_interleave(bin_of_row * max_len + start_in_bin, seq_lens) + pos_in_row
+        valid = self.attention_mask[row_index].bool()
+
+        def scatter(src: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
+            flat = torch.full((len(bins) * max_len,), fill, dtype=dtype)
+            flat[dest] = src[row_index][valid].to(dtype)
+            return flat.reshape(len(bins), max_len)
+
+        adv_tok = self.advantages[row_index, None].expand(-1, self.seq_len)
+        seq_tok = torch.arange(row_index.numel(), dtype=torch.int64)[:, None].expand(-1, self.seq_len)
+        flat_adv = torch.zeros(len(bins) * max_len, dtype=torch.float32)
+        flat_adv[dest] = adv_tok[valid]
+        flat_pos = torch.full((len(bins) * max_len,), 0, dtype=torch.int64)
+        flat_pos[dest] = pos_in_row
+        flat_seq = torch.full((len(bins) * max_len,), -1, dtype=torch.int64)
+        flat_seq[dest] = seq_tok[valid]
+        return PackedBatch(
+            input_ids=scatter(self.input_ids, self.pad_token_id, torch.int64),
+            loss_mask=scatter(self.loss_mask, 0.0, torch.float32),
+            logprobs=scatter(self.logprobs, 0.0, torch.float32),
+            advantages=flat_adv.reshape(len(bins), max_len),
+            position_ids=flat_pos.reshape(len(bins), max_len),
+            sequence_ids=flat_seq.reshape(len(bins), max_len),
+            seq_lens=seq_lens,
+            row_index=row_index,
+            bin_offsets=bin_offsets,
+            media={k: v.select(row_index) for k, v in self.media.items()},
+            pad_token_id=self.pad_token_id,
+        )
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TrainBatch:
+        """A new batch on ``device`` (token tensors and media segments; media provenance kept)."""
+        kw = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _ROW_TENSORS}
+        media = {k: v.to(device=device, non_blocking=non_blocking) for k, v in self.media.items()}
+        return replace(self, **kw, media=media)
+
+    def cast_media(self, dtype: torch.dtype) -> TrainBatch:
+        """Cast floating media keys (pixel values, features) to ``dtype``; grid/size metadata never cast."""
+        media = {
+            k: v if k.endswith(_NEVER_CAST_SUFFIXES) else v.to(dtype=dtype) for k, v in self.media.items()
+        }
+        return replace(self, media=media)
+
+    def __repr__(self) -> str:
+        media = ", ".join(
+            f"{k}: {v.num_segments} segments/{v.num_refs} refs {v.dtype}" for k, v in self.media.items()
+        )
+        groups = int(torch.unique(self.group_ids).numel())
+        return (
+            f"TrainBatch(rows={len(self)}, seq_len={self.seq_len}, tokens={self.num_tokens}, "
+            f"groups={groups}, media={{{media}}})"
+        )
+
+    # ------------------------------------------------------------------ pickling
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        state = _dataclass_state(self, protocol.__index__())
+        return (_rebuild_dataclass, (TrainBatch, state))
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class PackedBatch:
+    """Packed sequences (``TrainBatch.pack``): ``N`` bins of ``max_len`` tokens.
+
+    ``input_ids``/``loss_mask``/``logprobs``/``advantages`` (per token)/``position_ids``
+    (restarting at 0 for each sequence) are ``[N, max_len]``; ``sequence_ids`` ``[N, max_len]``
+    names the packed sequence of each token (-1 on padding); ``seq_lens``, ``row_index``
+    (the ``TrainBatch`` row of each sequence) are ``[S]`` in packed order; ``bin_offsets``
+    ``[N+1]`` is CSR over sequences; ``media`` has one row per sequence, in packed order.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    logprobs: torch.Tensor
+    advantages: torch.Tensor
+    position_ids: torch.Tensor
+    sequence_ids: torch.Tensor
+    seq_lens: torch.Tensor
+    row_index: torch.Tensor
+    bin_offsets: torch.Tensor
+    media: dict[str, PackedTensor]
+    pad_token_id: int = 0
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def bin_media(self, b: int) -> dict[str, PackedTensor]:
+        """The media of bin ``b`` (its sequences' rows, in order)."""
+        lo, hi = int(self.bin_offsets[b]), int(self.bin_offsets[b + 1])
+        return {k: v.select(slice(lo, hi)) for k, v in self.media.items()}
+
+    def cu_seqlens(self, b: int) -> torch.Tensor:
+        """Cumulative sequence lengths of bin ``b``, int32 ``[k+1]`` (flash-attention varlen style)."""
+        lo, hi = int(self.bin_offsets[b]), int(self.bin_offsets[b + 1])
+        out = torch.zeros(hi - lo + 1, dtype=torch.int32)
+        out[1:] = torch.cumsum(self.seq_lens[lo:hi], 0)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedBatch(bins={len(self)}, max_len={self.input_ids.shape[1]}, "
+            f"sequences={self.seq_lens.numel()}, tokens={int(self.seq_lens.sum())})"
+        )
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
+        state = _dataclass_state(self, protocol.__index__())
+        return (_rebuild_dataclass, (PackedBatch, state))
+
+
+def _dataclass_state(obj: Any, protocol: int) -> dict[str, Any]:
+    """Field values with every tensor turned into an out-of-band payload."""
+    state: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        state[f.name] = (
+            ("tensor", _tensor_payload(value, protocol)) if isinstance(value, torch.Tensor) else value
+        )
+    return state
+
+
+def _rebuild_dataclass(cls: type[Any], state: dict[str, Any]) -> Any:
+    kw = {
+        k: _rebuild_tensor(*v[1]) if isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor" else v
+        for k, v in state.items()
+    }
+    return cls(**kw)
+
+
+def _check_placeholders(
+    processor: MediaProcessor,
+    traj_index: int,
+    turn_index: int,
+    item_index: int,
+    prompt_token_ids: Sequence[int],
+    media: Sequence[ProcessedMedia],
+) -> None:
+    """Each modality's placeholder tokens in the turn's prompt delta must equal what its media imply."""
+    modalities = {m.modality for m in media} | {"image", "video"}
+    tokens = torch.tensor(prompt_token_ids, dtype=torch.int64)
+    for modality in sorted(modalities):
+        token_id = processor.placeholder_token_id(modality)
+        mine = [m for m in media if m.modality == modality]
+        if token_id is None:
+            if mine:
+                logger.debug("no placeholder token known for %s; count check skipped", modality)
+            continue
+        expected_parts = [m.num_placeholders for m in mine]
+        if any(p is None for p in expected_parts):
+            continue
+        expected = sum(p for p in expected_parts if p is not None)
+        found = int((tokens == token_id).sum())
+        if found != expected:
+            raise TrajectoryError(
+                f"trajectory {traj_index} turn {turn_index}: prompt holds {found} {modality} placeholder "
+                f"token(s) but its {len(mine)} {modality}(s) need {expected} per the processor grid",
+                item_index=item_index,
+            )
+
+
+def _pack_media(rows: Sequence[Sequence[ProcessedMedia]], *, dedup: bool) -> dict[str, PackedTensor]:
+    keys = sorted({k for row in rows for m in row for k in m.outputs})
+    media: dict[str, PackedTensor] = {}
+    for key in keys:
+        tensors = [[m.outputs[key] for m in row if key in m.outputs] for row in rows]
+        provs: list[Sequence[str | None]] = [
+            [m.provenance[key] for m in row if key in m.outputs] for row in rows
+        ]
+        media[key] = PackedTensor.from_rows(tensors, provs, dedup=dedup)
+    return media

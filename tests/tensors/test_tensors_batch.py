@@ -1,0 +1,313 @@
+"""TrainBatch + MediaProcessor on the tiny offline Qwen2-VL: the mixed batch of issue 4 and every op."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from tensor_helpers import image, mixed_batch, png_bytes, traj, turn
+
+from gymbridge.errors import TrajectoryError
+from gymbridge.media import MediaItem
+from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch, group_advantages
+from gymbridge.testing.tiny_vlm import TinyVLM, build_tiny_vlm
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyVLM:
+    return build_tiny_vlm(0)
+
+
+@pytest.fixture
+def proc(tiny: TinyVLM) -> MediaProcessor:
+    return MediaProcessor(tiny.processor)
+
+
+@pytest.fixture
+def batch(tiny: TinyVLM, proc: MediaProcessor) -> TrainBatch:
+    return TrainBatch.from_trajectories(mixed_batch(tiny, G), proc, group_size=G)
+
+
+def _reference_pixels(tiny: TinyVLM, trajectories: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process every image reference separately with the HF image processor (no dedup at all)."""
+    images = [m.image() for t in trajectories for tn in t.turns for m in tn.media]
+    feats = tiny.processor.image_processor(images=images, return_tensors="pt")
+    return feats["pixel_values"], feats["image_grid_thw"]
+
+
+def test_regression_mixed_image_first_and_text_first_tool_image_groups(
+    tiny: TinyVLM, proc: MediaProcessor
+) -> None:
+    """NeMo-RL's list-based CSR crashed on this batch: an image-first prompt group, a text-first
+    group whose tool returns images in two turns, and text-only rows. Here it builds, keeps one
+    logical row per conversation, and matches processing every reference separately."""
+    trajs = mixed_batch(tiny, G)
+    batch = TrainBatch.from_trajectories(trajs, proc, group_size=G)
+    assert len(batch) == 3 * G
+    assert set(batch.media) == {"pixel_values", "image_grid_thw"}
+    pv, grid = batch.media["pixel_values"], batch.media["image_grid_thw"]
+    assert len(pv) == len(grid) == 3 * G  # one logical row per conversation, tool images are extra refs
+    assert pv.segment_counts().tolist() == [1] * G + [2] * G + [0] * G
+    # one prompt image (loaded G times separately) + one shared tool image + G unique tool images
+    assert pv.num_segments == 1 + 1 + G and grid.num_segments == 1 + 1 + G
+    ref_pv, ref_grid = _reference_pixels(tiny, trajs)
+    assert torch.equal(pv.materialize(), ref_pv)
+    assert torch.equal(grid.materialize(), ref_grid)
+    # tokens are the rollout's: placeholders in input_ids agree with the grids
+    n_pad = int((batch.input_ids == tiny.image_token_id).sum())
+    assert n_pad == int(ref_grid.prod(-1).sum()) // 4
+    assert batch.group_ids.tolist() == [0] * G + [1] * G + [2] * G
+    # the tiny model consumes the batch's media directly
+    row = batch.select([G])  # a text-first sample with two tool images
+    length = int(row.lengths[0])
+    ids = row.input_ids[:, :length]
+    with torch.no_grad():
+        out = tiny.model(
+            input_ids=ids,
+            attention_mask=row.attention_mask[:, :length],
+            pixel_values=row.media["pixel_values"].materialize(),
+            image_grid_thw=row.media["image_grid_thw"].materialize(),
+            mm_token_type_ids=tiny.processor.mm_token_type_ids(ids),
+        )
+    assert torch.isfinite(out.logits).all()
+
+
+def test_each_content_key_is_processed_once_whatever_g(tiny: TinyVLM) -> None:
+    for g in (2, 8):
+        proc = MediaProcessor(tiny.processor)
+        raw = png_bytes((1, 2, 3))
+        trajs = [
+            traj([turn(tiny, 0, [MediaItem.from_bytes(raw, "image")])], reward=float(i)) for i in range(g)
+        ]
+        batch = TrainBatch.from_trajectories(trajs, proc, group_size=g)
+        assert proc.stats.items_requested == g and proc.stats.items_processed == 1
+        assert batch.media["pixel_values"].num_segments == 1
+        ratio = batch.media["pixel_values"].logical_nbytes / batch.media["pixel_values"].physical_nbytes
+        assert ratio == g
+
+
+def test_provenance_depends_on_processor_spec(tiny: TinyVLM) -> None:
+    item = image((9, 9, 9))
+    a = MediaProcessor(tiny.processor).process([item])[item.key]
+    b = MediaProcessor(tiny.processor).process([item])[item.key]
+    assert a.provenance == b.provenance  # separately built, same config: mergeable
+    other = type(tiny.processor)(tiny.tokenizer, type(tiny.processor.image_processor)(max_pixels=112 * 112))
+    c = MediaProcessor(other).process([item])[item.key]
+    assert c.provenance["pixel_values"] != a.provenance["pixel_values"]
+    assert len(set(a.provenance.values())) == 2  # output keys never collide
+
+
+def test_placeholder_mismatch_names_the_turn(tiny: TinyVLM, proc: MediaProcessor) -> None:
+    bad = traj([turn(tiny, 0, []), turn(tiny, 1, [image((5, 5, 5))], placeholders=[3])], reward=1.0)
+    with pytest.raises(TrajectoryError, match=r"output item 2: trajectory 1 turn 1: prompt holds 3 image"):
+        TrainBatch.from_trajectories([traj([turn(tiny, 0, [])], 0.0), bad], proc, group_size=2)
+    silent = traj([turn(tiny, 0, [image((5, 5, 5))], placeholders=[])], reward=1.0)
+    with pytest.raises(TrajectoryError, match="holds 0 image placeholder"):
+        TrainBatch.from_trajectories([silent], proc, group_size=1)
+    with pytest.raises(TrajectoryError, match="no MediaProcessor"):
+        TrainBatch.from_trajectories([silent], None, group_size=1)
+
+
+def test_advantages_rewards_and_masked_samples(tiny: TinyVLM, proc: MediaProcessor) -> None:
+    rewards = [1.0, 0.0, 0.0, 3.0, 2.0, 2.0]
+    trajs = [traj([turn(tiny, 0, [])], r, mask_sample=(i == 3)) for i, r in enumerate(rewards)]
+    batch = TrainBatch.from_trajectories(trajs, proc, group_size=3)
+    g0 = torch.tensor([1.0, 0.0, 0.0])
+    expected0 = (g0 - g0.mean()) / (g0.std() + 1e-6)
+    assert torch.allclose(batch.advantages[:3], expected0)
+    # masked sample: advantage 0, loss mask 0, out of its group's stats (others equal -> 0)
+    assert batch.advantages[3:].tolist() == [0.0, 0.0, 0.0]
+    assert batch.loss_mask[3].sum() == 0 and batch.sample_mask.tolist() == [True] * 3 + [False, True, True]
+    assert batch.rewards.tolist() == rewards
+    mean_only = group_advantages(torch.tensor(rewards), 3, mode="group_mean")
+    assert torch.allclose(mean_only[:3], g0 - g0.mean())
+    with pytest.raises(ValueError, match="groups of 4"):
+        TrainBatch.from_trajectories(trajs, proc, group_size=4)
+    with pytest.raises(TrajectoryError, match="not finite"):
+        TrainBatch.from_trajectories([traj([turn(tiny, 0, [])], float("nan"))], proc, group_size=1)
+
+
+def test_split_trajectory_gives_rows_sharing_reward(tiny: TinyVLM, proc: MediaProcessor) -> None:
+    img0, img1 = image((1, 1, 1)), image((2, 2, 2))
+    split = traj([turn(tiny, 0, [img0]), turn(tiny, 1, [img1], segment=1)], reward=2.0)
+    other = traj([turn(tiny, 0, [image((1, 1, 1))])], reward=0.0)
+    batch = TrainBatch.from_trajectories([split, other], proc, group_size=2)
+    assert len(batch) == 3
+    assert batch.sample_ids.tolist() == [0, 0, 1] and batch.segment_ids.tolist() == [0, 1, 0]
+    assert batch.rewards.tolist() == [2.0, 2.0, 0.0]
+    assert batch.advantages[0] == batch.advantages[1] > 0 > batch.advantages[2]
+    assert batch.media["pixel_values"].segment_counts().tolist() == [1, 1, 1]
+    assert batch.media["pixel_values"].num_segments == 2  # img0 and the other's copy merge
+    gen = split.turns[0].generation_token_ids
+    assert batch.input_ids[0, : batch.lengths[0]].tolist() == split.token_ids(0)
+    assert batch.loss_mask[0].sum() == len(gen)
+    assert torch.allclose(batch.logprobs[0, : batch.lengths[0]], torch.tensor(split.logprobs(0)))
+
+
+def test_dedup_off_is_the_same_batch_with_copies(tiny: TinyVLM) -> None:
+    trajs = mixed_batch(tiny, G)
+    on = TrainBatch.from_trajectories(trajs, MediaProcessor(tiny.processor), group_size=G)
+    off = TrainBatch.from_trajectories(trajs, MediaProcessor(tiny.processor), group_size=G, dedup=False)
+    for key in on.media:
+        assert torch.equal(on.media[key].materialize(), off.media[key].materialize())
+        assert off.media[key].num_segments == off.media[key].num_refs
+    assert torch.equal(on.input_ids, off.input_ids) and torch.equal(on.advantages, off.advantages)
+    size_on = len(pickle.dumps(on, protocol=5))
+    size_off = len(pickle.dumps(off, protocol=5))
+    assert size_off > 1.5 * size_on
+
+
+def test_select_repeat_cat(batch: TrainBatch) -> None:
+    assert repr(batch).startswith(f"TrainBatch(rows={3 * G}, ")
+    assert "pixel_values: 6 segments/12 refs" in repr(batch)
+    rep = batch.repeat_interleave(2)
+    assert len(rep) == 2 * len(batch)
+    assert rep.media["pixel_values"].num_segments == batch.media["pixel_values"].num_segments
+    assert torch.equal(rep.input_ids[::2], batch.input_ids)
+    sub = batch[[0, G]]
+    assert sub.media["pixel_values"].segment_counts().tolist() == [1, 2]
+    assert sub.media["pixel_values"].num_segments == 3
+    both = TrainBatch.cat([batch[: G + 1], batch[G + 1 :]])
+    for key in batch.media:
+        assert torch.equal(both.media[key].materialize(), batch.media[key].materialize())
+        assert both.media[key].num_segments == batch.media[key].num_segments
+    assert torch.equal(both.input_ids, batch.input_ids)
+    text_only = batch[2 * G :].trim()
+    assert all(len(v.segments) == 0 for v in text_only.media.values())
+    mixed = TrainBatch.cat([text_only, batch[:1]])
+    assert mixed.seq_len == batch.seq_len and len(mixed.media["pixel_values"]) == G + 1
+    with pytest.raises(IndexError):
+        batch.select([len(batch)])
+
+
+def test_cat_renumber_keeps_separately_built_groups_apart(tiny: TinyVLM, proc: MediaProcessor) -> None:
+    trajs = mixed_batch(tiny, G)
+    parts = [TrainBatch.from_trajectories(trajs[k : k + G], proc, group_size=G) for k in range(0, 3 * G, G)]
+    assert all(p.group_ids.tolist() == [0] * G for p in parts)
+    joined = TrainBatch.cat(parts, renumber=True)
+    assert joined.group_ids.tolist() == [0] * G + [1] * G + [2] * G
+    assert joined.sample_ids.tolist() == list(range(3 * G))
+    assert [set(s.group_ids.tolist()) for s in joined.shard(3)] == [{0}, {1}, {2}]
+    whole = TrainBatch.from_trajectories(trajs, proc, group_size=G)
+    assert torch.equal(joined.group_ids, whole.group_ids)
+    assert torch.allclose(joined.advantages, whole.advantages)
+    assert torch.equal(joined.media["pixel_values"].materialize(), whole.media["pixel_values"].materialize())
+    assert TrainBatch.cat(parts).group_ids.tolist() == [0] * (3 * G)  # default: ids kept as they are
+
+
+def test_shard_is_group_aware_and_reinterns(tiny: TinyVLM, proc: MediaProcessor) -> None:
+    trajs = mixed_batch(tiny, G)
+    batch = TrainBatch.from_trajectories(trajs, proc, group_size=G)
+    shards = batch.shard(3)
+    assert [len(s) for s in shards] == [G, G, G]
+    assert [set(s.group_ids.tolist()) for s in shards] == [{0}, {1}, {2}]
+    assert shards[0].media["pixel_values"].num_segments == 1  # shard holds only what it references
+    assert shards[2].media["pixel_values"].num_segments == 0
+    # uneven groups: 2 + 4 + 2 rows into 2 shards of 4 -> the 4-group alone, the two 2-groups together
+    rows = [0, 1, G, G + 1, G + 2, G + 3, 2 * G, 2 * G + 1]
+    uneven = batch.select(rows)
+    halves = uneven.shard(2)
+    assert sorted(sorted(set(h.group_ids.tolist())) for h in halves) == [[0, 2], [1]]
+    # sizes that cannot keep groups whole still give balanced shards, no row lost
+    odd = batch.shard(5)
+    assert sorted(len(s) for s in odd) == [2, 2, 2, 3, 3]
+    assert sorted(torch.cat([s.sample_ids for s in odd]).tolist()) == list(range(len(batch)))
+    flat = batch.shard(2, group_aware=False)
+    assert flat[0].sample_ids.tolist() == list(range(len(batch) // 2))
+
+
+def test_micro_batches_respect_the_token_budget(batch: TrainBatch) -> None:
+    budget = int(batch.lengths.max()) * 3
+    mbs = batch.micro_batches(budget)
+    seen = sorted(torch.cat([m.sample_ids for m in mbs]).tolist())
+    assert seen == list(range(len(batch)))
+    for m in mbs:
+        assert len(m) * m.seq_len <= budget
+        assert m.seq_len == int(m.lengths.max())  # trimmed
+        assert len(m.media["pixel_values"]) == len(m)
+    assert len(batch.micro_batches(10**9)) == 1
+    with pytest.raises(ValueError, match="over max_tokens"):
+        batch.micro_batches(int(batch.lengths.max()) - 1)
+
+
+def test_pack_puts_rows_into_bins_and_media_follow(batch: TrainBatch) -> None:
+    max_len = int(batch.lengths.max()) + 40
+    packed = batch.pack(max_len)
+    assert packed.input_ids.shape == (len(packed), max_len)
+    assert sorted(packed.row_index.tolist()) == list(range(len(batch)))
+    assert int((packed.sequence_ids >= 0).sum()) == batch.num_tokens
+    for b in range(len(packed)):
+        lo, hi = int(packed.bin_offsets[b]), int(packed.bin_offsets[b + 1])
+        assert int(packed.seq_lens[lo:hi].sum()) <= max_len
+        assert packed.cu_seqlens(b)[-1] == packed.seq_lens[lo:hi].sum()
+        cursor = 0
+        for s in range(lo, hi):
+            row = int(packed.row_index[s])
+            n = int(packed.seq_lens[s])
+            assert packed.input_ids[b, cursor : cursor + n].tolist() == batch.input_ids[row, :n].tolist()
+            assert packed.position_ids[b, cursor : cursor + n].tolist() == list(range(n))
+            assert torch.all(packed.advantages[b, cursor : cursor + n] == batch.advantages[row])
+            assert torch.equal(packed.loss_mask[b, cursor : cursor + n], batch.loss_mask[row, :n])
+            cursor += n
+        media = packed.bin_media(b)["pixel_values"]
+        expected = batch.media["pixel_values"].select(packed.row_index[lo:hi]).materialize()
+        got = media.materialize()
+        assert (got is None and expected is None) or torch.equal(got, expected)
+    with pytest.raises(ValueError, match="over max_len"):
+        batch.pack(4)
+
+
+def test_to_and_cast_media(batch: TrainBatch) -> None:
+    moved = batch.to("cpu")
+    assert (
+        moved is not batch
+        and moved.media["pixel_values"].provenance == batch.media["pixel_values"].provenance
+    )
+    bf = batch.cast_media(torch.bfloat16)
+    assert bf.media["pixel_values"].dtype == torch.bfloat16
+    assert bf.media["image_grid_thw"].dtype == torch.int64
+    assert bf.media["image_grid_thw"].provenance == batch.media["image_grid_thw"].provenance
+    assert batch.media["pixel_values"].dtype == torch.float32  # original untouched
+    assert bf.media_physical_nbytes < batch.media_physical_nbytes
+
+
+def test_regression_shared_media_never_mutated_in_place(batch: TrainBatch) -> None:
+    segs = [s for v in batch.media.values() for s in v.segments]
+    before = [s.clone() for s in segs]
+    outs: list[TrainBatch] = [
+        batch.repeat_interleave(3),
+        *batch.shard(2),
+        *batch.micro_batches(int(batch.lengths.max()) * 2),
+        TrainBatch.cat([batch, batch]),
+        batch.cast_media(torch.bfloat16),
+        batch.to("cpu"),
+    ]
+    for o in outs:
+        for v in o.media.values():
+            dense = v.materialize()
+            if dense is not None:
+                dense.add_(1)
+    packed = batch.pack(int(batch.lengths.max()) * 2)
+    assert len(packed) >= 1
+    for s, b in zip(segs, before, strict=True):
+        assert torch.equal(s, b)
+
+
+def test_batch_pickle5_sends_storage_out_of_band_once(batch: TrainBatch) -> None:
+    rep = batch.repeat_interleave(4)
+    buffers: list[pickle.PickleBuffer] = []
+    stream = pickle.dumps(rep, protocol=5, buffer_callback=buffers.append)
+    oob = sum(memoryview(b).nbytes for b in buffers)
+    assert oob >= rep.media_physical_nbytes
+    assert oob < rep.media_logical_nbytes / 3
+    assert len(stream) < 64 * 1024
+    back = pickle.loads(stream, buffers=buffers)
+    assert isinstance(back, TrainBatch) and torch.equal(back.input_ids, rep.input_ids)
+    assert back.media["pixel_values"].provenance == rep.media["pixel_values"].provenance
+    assert torch.equal(back.media["pixel_values"].materialize(), rep.media["pixel_values"].materialize())
+    assert back.metadata == rep.metadata
+    packed = pickle.loads(pickle.dumps(batch.pack(512), protocol=5))
+    assert isinstance(packed.media["pixel_values"], PackedTensor)

@@ -1,0 +1,92 @@
+"""The tiny offline Qwen2-VL: builds without network, processes images, generates with scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from gymbridge.testing.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_vlm
+
+
+def _chat(tiny, n_images: int = 1) -> str:
+    parts = [{"type": "image"} for _ in range(n_images)] + [{"type": "text", "text": "What color is it?"}]
+    return tiny.processor.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_build_is_cached_and_ids_match_tokenizer() -> None:
+    tiny = build_tiny_vlm(0)
+    assert build_tiny_vlm(0) is tiny
+    cfg = tiny.model.config
+    tok = tiny.tokenizer
+    assert cfg.image_token_id == tok.convert_tokens_to_ids(IMAGE_PAD) == tiny.image_token_id
+    assert cfg.vision_start_token_id == tok.convert_tokens_to_ids("<|vision_start|>")
+    assert cfg.vision_end_token_id == tok.convert_tokens_to_ids("<|vision_end|>")
+    assert cfg.video_token_id == tok.convert_tokens_to_ids("<|video_pad|>")
+    assert tiny.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>") == tok.eos_token_id
+    assert len(tok) <= cfg.text_config.vocab_size
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert tok.convert_tokens_to_ids(name) == i
+        assert tok.decode([i]) == name
+
+
+def test_chat_template_renders_images_tools_and_tool_role() -> None:
+    tiny = build_tiny_vlm(0)
+    tools = [{"type": "function", "function": {"name": "zoom", "parameters": {"type": "object"}}}]
+    msgs = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Zoom in."}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"function": {"name": "zoom", "arguments": {"x": 1}}}],
+        },
+        {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "zoomed"}]},
+    ]
+    text = tiny.tokenizer.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.count("<|vision_start|><|image_pad|><|vision_end|>") == 2
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "zoom", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n" in text and '"name": "zoom"' in text.split("</tools>\n\nFor each")[0]
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_processor_expands_pads_to_grid_and_forward_runs() -> None:
+    tiny = build_tiny_vlm(0)
+    img = Image.new("RGB", (448, 448), (200, 30, 30))
+    enc = tiny.processor(text=_chat(tiny), images=[img])
+    grid = enc["image_grid_thw"]
+    assert grid.tolist() == [[1, 16, 16]]
+    n_pad = int((enc["input_ids"] == tiny.image_token_id).sum())
+    assert n_pad == 16 * 16 // 4 == tiny.processor.num_image_tokens(grid)[0]
+    assert enc["pixel_values"].shape == (256, 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        out = tiny.model(**enc)
+    assert out.logits.shape == (1, enc["input_ids"].shape[1], tiny.model.config.text_config.vocab_size)
+    assert torch.isfinite(out.logits).all()
+
+
+def test_processor_rejects_placeholder_image_mismatch() -> None:
+    tiny = build_tiny_vlm(0)
+    img = Image.new("RGB", (64, 64))
+    with pytest.raises(ValueError, match="2 <\\|image_pad\\|> placeholders but 1 images"):
+        tiny.processor(text=_chat(tiny, n_images=2), images=[img])
+
+
+def test_generate_returns_scores_and_is_deterministic() -> None:
+    tiny = build_tiny_vlm(0)
+    img = Image.new("RGB", (448, 448), (0, 90, 200))
+    enc = tiny.processor(text=_chat(tiny), images=[img])
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    a = tiny.model.generate(**enc, **kwargs)
+    b = tiny.model.generate(**enc, **kwargs)
+    assert len(a.scores) == a.sequences.shape[1] - enc["input_ids"].shape[1] > 0
+    assert torch.equal(a.sequences, b.sequences)
+    logprobs = torch.log_softmax(a.scores[0], dim=-1)
+    assert torch.isfinite(logprobs.max())
+
+
+def test_seed_changes_weights() -> None:
+    a = build_tiny_vlm(0).model.lm_head.weight
+    b = build_tiny_vlm(1).model.lm_head.weight
+    assert not torch.equal(a, b)
