@@ -5,6 +5,9 @@ back unchanged), strict on output (models built in Python write every field Gym
 needs and refuse what Gym would refuse), lossless in between:
 ``dump(parse_run_result(raw)) == json.loads(raw)``.
 
+Where media sit in the raw JSON (``media_refs_of_content`` …) is answered once here,
+for raw dicts and parsed models alike.
+
 Parse with the ``parse_*`` helpers (JSON bytes are validated in Rust in one pass;
 failures raise :class:`gymbridge.errors.ProtocolError`), write with
 :func:`dump_json` / :func:`dump`.
@@ -79,7 +82,23 @@ from gymbridge.protocol._items import (
     UnknownItem,
     iter_media_parts,
 )
-from gymbridge.protocol._responses import FunctionTool, Response, ResponsesCreateParams, Tool, UnknownTool
+from gymbridge.protocol._media_refs import (
+    MediaRef,
+    Modality,
+    data_url_modality,
+    inline_audio_url,
+    media_ref_of_part,
+    media_refs_of_content,
+    media_refs_of_tool_output,
+)
+from gymbridge.protocol._responses import (
+    FunctionTool,
+    Response,
+    ResponseOutput,
+    ResponsesCreateParams,
+    Tool,
+    UnknownTool,
+)
 
 __all__ = [
     "KNOWN_ITEM_TYPES",
@@ -104,7 +123,9 @@ __all__ = [
     "InputVideoPart",
     "Item",
     "MediaPart",
+    "MediaRef",
     "Message",
+    "Modality",
     "OutputItem",
     "OutputTextPart",
     "ReasoningItem",
@@ -113,6 +134,7 @@ __all__ = [
     "ResetRequest",
     "ResetResponse",
     "Response",
+    "ResponseOutput",
     "ResponsesCreateParams",
     "RunRequest",
     "RunResult",
@@ -130,9 +152,14 @@ __all__ = [
     "VerifyResponse",
     "VideoSource",
     "WireModel",
+    "data_url_modality",
     "dump",
     "dump_json",
+    "inline_audio_url",
     "iter_media_parts",
+    "media_ref_of_part",
+    "media_refs_of_content",
+    "media_refs_of_tool_output",
     "parse",
     "parse_aggregate_metrics",
     "parse_aggregate_metrics_request",

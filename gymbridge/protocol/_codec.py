@@ -7,8 +7,9 @@ written back exactly: ``dump(parse(x)) == x``.
 
 A body that does not fit raises :class:`gymbridge.errors.ProtocolError` with the
 ``ValidationError`` chained as ``__cause__`` and its structured errors in
-``.errors``; the message names the body, the location and the reason of each
-problem (branch noise of the item unions removed).
+``.errors`` (``loc`` given as the JSON path, union branch labels removed); the
+message names the body, the location and the reason of each problem (branch noise
+of the item unions, and of the two forms of ``response.output``, removed).
 
 Wire keys are matched by their wire names only (``_ng_task_index``), never by the
 Python field name: a dataset column called ``task_index`` stays an extra key.
@@ -114,6 +115,54 @@ def _clean_errors(errors: list[Any]) -> list[Any]:
     return dispatch or errors
 
 
+# Errors that only say "this entry has the other shape" (an item where a transition list was
+# expected, or the reverse): noise when the other branch of ``response.output`` explains more.
+_SHAPE_ERRORS = frozenset({"list_type", "dict_type", "model_type", "model_attributes_type"})
+
+
+def _output_branch(err: Any) -> str | None:
+    """The ``response.output`` union branch (flat items vs transitions) an error came from."""
+    for part in err["loc"]:
+        if isinstance(part, str) and part.startswith("list["):
+            return part
+    return None
+
+
+def _drop_wrong_shape_branch(errors: list[Any]) -> list[Any]:
+    """Of the two ``response.output`` forms, report only the one the body was meant to be."""
+    by_branch: dict[str, list[Any]] = {}
+    for err in errors:
+        branch = _output_branch(err)
+        if branch is not None:
+            by_branch.setdefault(branch, []).append(err)
+    if len(by_branch) < 2:
+        return errors
+    wrong = {b for b, errs in by_branch.items() if all(e["type"] in _SHAPE_ERRORS for e in errs)}
+    if wrong == set(by_branch):
+        return errors  # neither form fits at all: say both
+    return [e for e in errors if _output_branch(e) not in wrong]
+
+
+def _shown_loc(err: Any) -> tuple[Any, ...]:
+    return tuple(p for p in err["loc"] if not _is_branch_label(p))
+
+
+def _drop_untyped_message_echo(errors: list[Any]) -> list[Any]:
+    """Drop what the untyped-message branch repeats of a typed message's error.
+
+    A bad ``{"type": "message", ...}`` fails in the typed branch (``…3.message.assistant.content``)
+    and again in the branch for messages without ``type`` (``…3.assistant.content``); the
+    second says nothing new.
+    """
+    typed = set()
+    for err in errors:
+        loc = _shown_loc(err)
+        for k, part in enumerate(loc):
+            if part == "message":
+                typed.add(loc[:k] + loc[k + 1 :])
+    return [err for err in errors if _shown_loc(err) not in typed]
+
+
 def _format_loc(loc: tuple[Any, ...]) -> str:
     shown = [str(p) for p in loc if not _is_branch_label(p)]
     return ".".join(shown) or "<body>"
@@ -121,7 +170,7 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
 
 def _protocol_error(what: str, exc: ValidationError) -> ProtocolError:
     errors = exc.errors(include_url=False, include_input=False)
-    cleaned = _clean_errors(list(errors))
+    cleaned = _drop_untyped_message_echo(_clean_errors(_drop_wrong_shape_branch(list(errors))))
     lines: list[str] = []
     seen: set[str] = set()
     for err in cleaned:
@@ -131,7 +180,9 @@ def _protocol_error(what: str, exc: ValidationError) -> ProtocolError:
             lines.append(line)
     shown = "; ".join(lines[:_MAX_LISTED])
     more = f" (+{len(lines) - _MAX_LISTED} more)" if len(lines) > _MAX_LISTED else ""
-    return ProtocolError(f"invalid {what}: {shown}{more}", errors=cleaned)
+    # ``loc`` as the body spells it: union branch labels are pydantic internals, not JSON paths
+    located = [{**err, "loc": _shown_loc(err)} for err in cleaned]
+    return ProtocolError(f"invalid {what}: {shown}{more}", errors=located)
 
 
 def _as_json_input(data: Data) -> bytes | str | None:

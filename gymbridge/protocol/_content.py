@@ -12,7 +12,8 @@ fit is an error, never silently demoted to "unknown".
 
 Media sources (``image_url`` …) are kept as plain ``str``: parsing a multi-megabyte
 base64 data URL costs one string copy, never per-character work. ``part.source``
-gives the reference string to hand to :func:`gymbridge.media.load_media`.
+gives the reference string to hand to :func:`gymbridge.media.load_media`, by the
+same rules as the raw-dict helpers of :mod:`gymbridge.protocol._media_refs`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import AfterValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from gymbridge.protocol._base import WireModel
+from gymbridge.protocol._media_refs import VIDEO_KEYS, Modality, inline_audio_url
 
 __all__ = [
     "KNOWN_PART_TYPES",
@@ -40,8 +42,6 @@ __all__ = [
     "UnknownPart",
     "VideoSource",
 ]
-
-Modality = Literal["image", "audio", "video"]
 
 KNOWN_PART_TYPES: frozenset[str] = frozenset(
     {
@@ -133,10 +133,7 @@ class InputAudioPart(WireModel):
         if self.audio_url is not None:
             return self.audio_url
         assert self.input_audio is not None
-        data = self.input_audio.data
-        if data.startswith("data:"):
-            return data
-        return f"data:audio/{self.input_audio.format};base64,{data}"
+        return inline_audio_url(self.input_audio.data, self.input_audio.format)
 
 
 class VideoSource(WireModel):
@@ -157,7 +154,7 @@ class InputVideoPart(WireModel):
 
     @model_validator(mode="after")
     def _one_source(self) -> InputVideoPart:
-        given = [name for name in ("video_url", "video") if name in self.model_fields_set]
+        given = [name for name in VIDEO_KEYS if name in self.model_fields_set]
         if len(given) != 1:
             raise ValueError("input_video requires exactly one of video_url or video")
         if not self.source.strip():

@@ -12,6 +12,13 @@
 :class:`Response` mirrors Gym's ``NeMoGymResponse`` (OpenAI ``Response``): built in
 Python it gets ``id``, ``created_at``, ``object``, ``parallel_tool_calls``,
 ``tool_choice`` and ``tools`` written, and ``model`` is required.
+
+``Response.output`` is normally a flat list of items. Agents run with
+``return_transitions: true`` (stock ``aviary_agent``, ``toolsandbox_agent``) return
+it as a list of **transitions** instead: one list of items per step, each the
+agent's whole input at that step (so each transition extends the one before) and
+mark the response ``contains_transitions: true``. Both forms parse and write back
+unchanged; :attr:`Response.items` gives the flat conversation either way.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import Field
 
@@ -27,7 +34,7 @@ from gymbridge.protocol._base import WireModel
 from gymbridge.protocol._content import reject_known_type
 from gymbridge.protocol._items import AssistantMessage, FunctionCallItem, InputMessage, Item, ReasoningItem
 
-__all__ = ["FunctionTool", "Response", "ResponsesCreateParams", "Tool", "UnknownTool"]
+__all__ = ["FunctionTool", "Response", "ResponseOutput", "ResponsesCreateParams", "Tool", "UnknownTool"]
 
 
 class FunctionTool(WireModel):
@@ -109,10 +116,14 @@ def _resp_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
+#: ``response.output``: a flat item list, or (``contains_transitions``) one item list per step.
+ResponseOutput = Annotated[list[Item] | list[list[Item]], Field(union_mode="left_to_right")]
+
+
 class Response(WireModel):
     """A Responses-API response: ``output`` holds every item the call (or rollout) produced."""
 
-    output: list[Item]
+    output: ResponseOutput
     id: str | None = None
     created_at: float | None = None
     model: str | None = None
@@ -136,9 +147,24 @@ class Response(WireModel):
             raise ValueError("Response.model is required for a response gymbridge emits")
 
     @property
+    def is_transitions(self) -> bool:
+        """True when ``output`` is a list of transitions (one item list per agent step)."""
+        return bool(self.output) and isinstance(self.output[0], list)
+
+    @property
+    def items(self) -> list[Item]:
+        """The flat conversation: ``output`` itself, or its last transition (which extends the others)."""
+        if not self.output:
+            return []
+        last = self.output[-1]
+        if isinstance(last, list):
+            return list(last)
+        return cast("list[Item]", list(self.output))
+
+    @property
     def output_text(self) -> str:
-        """The concatenated text of the assistant messages in ``output``."""
-        return "".join(item.text for item in self.output if isinstance(item, AssistantMessage))
+        """The concatenated text of the assistant messages in :attr:`items`."""
+        return "".join(item.text for item in self.items if isinstance(item, AssistantMessage))
 
     @property
     def incomplete(self) -> bool:
@@ -148,8 +174,5 @@ class Response(WireModel):
     @property
     def generated_items(self) -> list[AssistantMessage | ReasoningItem | FunctionCallItem]:
         """The output items a model generated (assistant messages, reasoning, function calls)."""
-        return [
-            item
-            for item in self.output
-            if isinstance(item, AssistantMessage | ReasoningItem | FunctionCallItem)
-        ]
+        generated = AssistantMessage | ReasoningItem | FunctionCallItem
+        return [item for item in self.items if isinstance(item, generated)]

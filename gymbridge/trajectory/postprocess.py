@@ -29,6 +29,12 @@ output item when there is one):
 * flags and tool names are gathered from every assistant item of the model call
   that produced the turn (the token fields sit on the call's *last* item only).
 
+Genuine 0.7.0 shapes handled here: a transitions-form ``output`` (one item list per agent
+step, ``return_transitions`` agents) is walked as one conversation, each step's new items
+once (:func:`_flatten_transitions`); a result whose images were moved to
+``response.media_assets`` (the compaction agent's transport projection) is refused, since
+its turns cannot get their images back.
+
 Media that arrive after the last turn belong to no model call; they are counted in
 ``Trajectory.metadata["trailing_media"]`` rather than dropped without a trace, and
 assistant items after the last turn (a call without token fields, or an empty
@@ -63,7 +69,6 @@ REWARD_SUM_TOLERANCE = 1e-6
 
 _TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _TURN_KINDS: frozenset[str] = frozenset(("message", "reasoning", "function_call"))
-_NON_ASSISTANT_ROLES = frozenset(("user", "system", "developer"))
 _TOOL_CALL_MARKUP = ("<tool_call>", "</tool_call>")
 _THINK_MARKUP = ("<think>", "</think>")
 
@@ -335,6 +340,18 @@ def _item_kind(item: Mapping[str, Any]) -> tuple[str | None, str | None]:
     return (item_type if isinstance(item_type, str) else None), (role if isinstance(role, str) else None)
 
 
+def _is_context(item_type: str | None, role: str | None) -> bool:
+    """A media-carrying context item: a tool output, or a message from anyone but the assistant.
+
+    Beyond Gym's ``user`` / ``system`` / ``developer``, other roles (a chat-style ``tool``
+    message an agent injected) are context too: their images must not be taken for
+    assistant output and lost.
+    """
+    return item_type == "function_call_output" or (
+        item_type == "message" and role is not None and role != "assistant"
+    )
+
+
 def _seed(
     walk: _Walk, data: Mapping[str, Any], response: Mapping[str, Any], output: list[Any], transitions: bool
 ) -> int:
@@ -353,12 +370,8 @@ def _seed(
     for name, items in sources:
         if isinstance(items, list):
             for position, item in enumerate(items):
-                if isinstance(item, Mapping):
-                    item_type, role = _item_kind(item)
-                    if item_type == "function_call_output" or (
-                        item_type == "message" and role in _NON_ASSISTANT_ROLES
-                    ):
-                        walk.collect(item, None, f"{name}[{position}]")
+                if isinstance(item, Mapping) and _is_context(*_item_kind(item)):
+                    walk.collect(item, None, f"{name}[{position}]")
         elif items is not None and not isinstance(items, str):
             raise TrajectoryError(f"{name} must be a string or a list of items, got {type(items).__name__}")
     metadata = params.get("metadata")
@@ -465,6 +478,7 @@ def from_gym_result(
     if not isinstance(raw_output, list):
         raise TrajectoryError("response.output is missing or not a list")
     output, origin = _flatten_transitions(raw_output)
+    _refuse_detached_media(response)
 
     walk = _Walk(media_policy, on_noncontiguous)
     skip_echo = _seed(walk, data, response, output, transitions=origin is not None)
@@ -483,6 +497,23 @@ def from_gym_result(
     if placeholder_token_ids is not None:
         check_media_placeholders(trajectory, placeholder_token_ids)
     return trajectory
+
+
+def _refuse_detached_media(response: Mapping[str, Any]) -> None:
+    """Refuse a result whose images were moved out of ``output`` (nothing silently lost).
+
+    0.7.0's ``simple_agent_with_compaction`` returns a transport projection: image parts are
+    stripped from ``response.output`` and kept once each in ``response.media_assets``, with no
+    per-item link the walk could follow. Training it would pair image placeholders in the
+    prompt tokens with no images.
+    """
+    assets = response.get("media_assets")
+    if isinstance(assets, Mapping) and assets:
+        raise TrajectoryError(
+            f"response.media_assets holds {len(assets)} media item(s) that the agent "
+            "(simple_agent_with_compaction's transport projection) removed from response.output; they "
+            "cannot be placed per turn, so the turns would train image placeholders without images"
+        )
 
 
 def _walk_output(walk: _Walk, output: list[Any], skip_echo: int) -> None:
@@ -505,7 +536,7 @@ def _walk_output(walk: _Walk, output: list[Any], skip_echo: int) -> None:
             continue
         if tokens is not None:
             walk.empty_generations += 1
-        if item_type == "function_call_output" or (item_type == "message" and role in _NON_ASSISTANT_ROLES):
+        if _is_context(item_type, role):
             if index >= skip_echo:
                 walk.collect(item, index, f"{item_type} item")
         elif item_type in _TURN_KINDS:

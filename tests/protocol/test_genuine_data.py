@@ -22,6 +22,11 @@ FILES = [
     "resources_servers/example_tool_call_multireward/data/example_rollouts.jsonl",
     "resources_servers/competitive_coding_challenges/data/example_rollouts.jsonl",
     "resources_servers/swemer_oml/data/example_rollouts.jsonl",
+    # transitions-form output (aviary_agent return_transitions): a list of item lists
+    "environments/aviary_bixbench/data/example_rollouts.jsonl",
+    # token fields with empty lists and ``routed_experts: null`` on every item
+    "environments/hermes_math/data/example_rollouts.jsonl",
+    "benchmarks/automationbench/data/example_rollouts.jsonl",
 ]
 
 

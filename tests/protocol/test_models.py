@@ -379,3 +379,53 @@ def test_error_message_points_at_the_real_problem(body: list[Any], expected: str
     # no union-dispatch noise: branch labels, the str branch of ``str | list``, "type is modelled"
     assert "tagged-union" not in message and "function-after" not in message
     assert "input.str" not in message and "modelled" not in message
+
+
+# ---------------------------------------------------------------- transitions form
+
+
+def _transitions_result(second_step_item: dict[str, Any]) -> dict[str, Any]:
+    first = [{"type": "message", "role": "user", "content": "go"}, _call(**TOKENS)]
+    return _result([first, [*first, second_step_item]], contains_transitions=True)
+
+
+def test_regression_transitions_form_output_round_trips() -> None:
+    """aviary_agent / toolsandbox_agent (return_transitions) send response.output as one item
+    list per step; parsing refused it with 'Input should be an object'."""
+    body = _transitions_result({"type": "function_call_output", "call_id": "c1", "output": "ok"})
+    body["response"]["contains_transitions"] = True
+    parsed = p.parse_run_result(json.dumps(body))
+    assert p.dump(parsed) == body
+    assert parsed.response.is_transitions
+    assert [type(i).__name__ for i in parsed.response.items] == [
+        "InputMessage",
+        "FunctionCallItem",
+        "FunctionCallOutputItem",
+    ]
+    flat = p.parse_run_result(json.dumps(_result([_call(**TOKENS)])))
+    assert not flat.response.is_transitions
+    assert flat.response.items == flat.response.output
+
+
+def test_transitions_form_errors_name_the_step_and_item_only() -> None:
+    body = _transitions_result(_call(prompt_token_ids=[1]))
+    with pytest.raises(ProtocolError) as info:
+        p.parse_run_result(json.dumps(body))
+    message = str(info.value)
+    assert "response.output.1.2" in message and "missing generation_token_ids" in message
+    assert "Input should be an object" not in message  # the flat-list branch's noise is gone
+    first = info.value.errors[0]
+    assert isinstance(first, dict) and first["loc"][:4] == ("response", "output", 1, 2)
+
+
+def test_bad_typed_message_is_reported_once_not_once_per_union_branch() -> None:
+    """A typed message failed in the typed branch and again in the untyped-message branch: the
+    error listed the same problem twice under two locations."""
+    bad = {"type": "message", "role": "assistant", "content": None, **TOKENS}
+    with pytest.raises(ProtocolError) as info:
+        p.parse_run_result(json.dumps(_result([bad])))
+    message = str(info.value)
+    assert message == "invalid RunResult body: response.output.0.message.assistant.content: " + (
+        "Input should be a valid array"
+    )
+    assert len(info.value.errors) == 1

@@ -160,7 +160,8 @@ create_params = obj(
 )
 
 response = obj(
-    {"output": st.lists(items, max_size=5)},
+    # flat items, or transitions form (one item list per agent step, aviary/toolsandbox agents)
+    {"output": st.lists(items, max_size=5) | st.lists(st.lists(items, max_size=3), min_size=1, max_size=3)},
     {
         "id": text,
         "created_at": st.floats(0, 2e9),

@@ -167,3 +167,27 @@ def test_genuine_aviary_transitions_rollouts_walk() -> None:
         assert p.dump(parsed) == raw
         with pytest.raises(TrajectoryError, match="none carries token fields"):
             from_gym_result(raw)
+
+
+def test_message_with_another_non_assistant_role_is_context_not_assistant_output() -> None:
+    """A chat-style ``tool`` message injected by an agent: its image belongs to the next turn,
+    and it is not counted as untrained assistant output."""
+    out = [
+        call("look", "c0", **tok([1], [2])),
+        {"type": "message", "role": "tool", "content": [image_part(GREEN)]},
+        call("done", "c1", **tok([1, 2, 3], [4])),
+    ]
+    traj = from_gym_result(result(out))
+    assert [[m.source for m in t.media] for t in traj.turns] == [[], [GREEN]]
+    assert "trailing_assistant_items" not in traj.metadata
+
+
+def test_images_moved_to_media_assets_are_refused_not_silently_dropped() -> None:
+    """0.7.0's simple_agent_with_compaction strips image parts from response.output and keeps
+    them in response.media_assets: walking it would give turns with placeholders but no images."""
+    res = result([call("look", "c0", **tok([1], [2]))])
+    res["response"]["media_assets"] = {"m1": {"media_id": "m1", "source_part": image_part(RED)}}
+    with pytest.raises(TrajectoryError, match=r"media_assets holds 1 media item"):
+        from_gym_result(res)
+    res["response"]["media_assets"] = {}  # a text-only compaction rollout is fine
+    assert len(from_gym_result(res).turns) == 1
