@@ -51,6 +51,10 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
         "model server: serve a generator (tiny, HF or vLLM) over HTTP",
         "gymbridge.generation.cli:add_model_commands",
     ),
+    "smoke": (
+        "end-to-end smoke on loopback: env + agent + model + GRPO",
+        "gymbridge.trainer.smoke:add_smoke_commands",
+    ),
 }
 """Group name -> (help line, ``"module:function"`` adding its subcommands)."""
 

@@ -25,6 +25,11 @@ exceptions (``TypeError``, ``ValueError``).
     │   ├── EnvTimeoutError    the deadline passed
     │   └── CheckEnvError      ``check_env`` found conformance problems
     │                          (``problems`` lists every one)
+    ├── BridgeError            the bridge cannot go on
+    │   ├── BridgeStalledError too many consecutive failed groups, or none
+    │   │                      completed (``failures``: the latest records)
+    │   └── ReplayCheckpointError  a replay checkpoint is missing, truncated
+    │                          or of another format version
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -32,8 +37,11 @@ exceptions (``TypeError``, ``ValueError``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
+    "BridgeError",
+    "BridgeStalledError",
     "CheckEnvError",
     "ConfigError",
     "EnvError",
@@ -46,6 +54,7 @@ __all__ = [
     "MediaFetchError",
     "MediaPolicyError",
     "ProtocolError",
+    "ReplayCheckpointError",
     "TrajectoryError",
 ]
 
@@ -152,6 +161,25 @@ class CheckEnvError(EnvError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"check_env({server}): {len(self.problems)} problem(s):\n{lines}", server=server)
+
+
+class BridgeError(GymbridgeError):
+    """The bridge iterator cannot go on producing batches."""
+
+
+class BridgeStalledError(BridgeError):
+    """No batch can be produced: too many consecutive failed groups, or none completed.
+
+    ``failures`` holds the most recent failure records (dicts, as in the failures jsonl).
+    """
+
+    def __init__(self, message: str, *, failures: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(message)
+        self.failures = list(failures or [])
+
+
+class ReplayCheckpointError(BridgeError):
+    """A replay checkpoint cannot be read (missing, truncated, or of another format version)."""
 
 
 class ConfigError(GymbridgeError):

@@ -22,6 +22,9 @@ from gymbridge import errors as E
         (E.EnvError, E.GymbridgeError),
         (E.CheckEnvError, E.EnvError),
         (E.ConfigError, E.GymbridgeError),
+        (E.BridgeError, E.GymbridgeError),
+        (E.BridgeStalledError, E.BridgeError),
+        (E.ReplayCheckpointError, E.BridgeError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:

@@ -1,0 +1,518 @@
+"""``BridgeIterator``: dataset rows -> G rollouts per prompt -> group advantages -> ``TrainBatch``.
+
+One prompt (dataset row) becomes ``group_size`` rollouts through a
+:class:`~gymbridge.bridge.sources.RolloutSource` (the Gym path or the native path). Each
+``/run``-shaped result is postprocessed **once** by
+:func:`~gymbridge.trajectory.from_gym_result`; when a group is complete its trajectories
+become one per-group :class:`~gymbridge.tensors.TrainBatch` (media processed once per
+content key for the whole group by the :class:`~gymbridge.tensors.MediaProcessor`, group
+advantages computed), and ``prompts_per_batch`` groups are concatenated into the batch
+that is yielded (media re-interned by provenance, group ids ``0..P-1`` in batch order).
+
+Invariants:
+
+* **nothing disappears**: every rollout is a trajectory in a yielded batch, a failure record
+  (class + reason) in :attr:`BridgeIterator.failures` / the failures jsonl, or listed in its
+  failed group's record (``dropped_rollouts``); every prompt is either a group in a yielded
+  batch or a failed-group record. A rollout whose trajectory breaks the group's batch build
+  (placeholder mismatch, undecodable media) is isolated and recorded on its own;
+  ``stats.prompts_started == stats.groups_completed + stats.groups_failed`` once the
+  iterator is drained;
+* a group with failed rollouts is completed from its successful ones when at least
+  ``min_group_size`` succeeded (advantages over those), otherwise the group is reported
+  as failed (never trained on);
+* the iterator never yields an empty batch: ``max_consecutive_failed_groups`` failed groups
+  in a row raise :class:`BridgeStalledError` (a dead agent, a broken model server), and so
+  does a dataset that ends without a single completed group;
+* a rollout that *generated* a media placeholder token is a failure
+  (``GeneratedPlaceholderToken``): the VLM could not teacher-force it against its media;
+* rollouts for a batch start only when that batch is asked for (no run-ahead), so a
+  trainer that updates the generator's weights between batches stays on-policy;
+* ``_ng_task_index`` is the row's position in the dataset; rows are never mutated.
+
+Sync iteration (``for batch in it``) runs the async machinery on a private event loop;
+async iteration (``async for``) uses the caller's loop. Library code logs; progress bars
+belong to the launcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+import orjson
+import torch
+
+from gymbridge.bridge.sources import RolloutRecord, RolloutSource
+from gymbridge.errors import BridgeStalledError, GymbridgeError, MediaError, TrajectoryError
+
+if TYPE_CHECKING:
+    from gymbridge.bridge.replay import ReplayBuffer
+    from gymbridge.media import MediaPolicy
+    from gymbridge.metrics import PayloadMeter
+    from gymbridge.tensors import AdvantageMode, MediaProcessor, TrainBatch
+    from gymbridge.trajectory import Trajectory
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BridgeIterator", "BridgeStalledError", "BridgeStats", "GroupResult", "read_rows"]
+
+
+@dataclass
+class BridgeStats:
+    """Counters over the iterator's life (``rollouts_*`` per rollout, ``groups_*`` per prompt)."""
+
+    prompts_started: int = 0
+    groups_completed: int = 0
+    groups_partial: int = 0
+    """Completed groups that lost some rollouts (completed from the successful ones)."""
+    groups_failed: int = 0
+    groups_zero_variance: int = 0
+    """Completed groups whose rewards are all equal (zero advantages: no learning signal)."""
+    rollouts_ok: int = 0
+    rollouts_failed: int = 0
+    rollouts_dropped: int = 0
+    """Successful rollouts of failed groups (listed in the group record's ``dropped_rollouts``)."""
+    rollouts_masked: int = 0
+    """Successful rollouts the environment marked ``mask_sample`` (kept, loss-masked)."""
+    batches: int = 0
+    failure_classes: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """One prompt's outcome: its per-group batch, or ``None`` with the failures that sank it."""
+
+    task_index: int
+    batch: TrainBatch | None
+    trajectories: list[Trajectory]
+    failures: list[dict[str, Any]]
+    rewards: list[float]
+    elapsed_s: float
+
+
+def read_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any] | Exception]:
+    """Rows of a jsonl file (lazily, line by line) or of an iterable; a bad line yields its error."""
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        with path.open("rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = orjson.loads(line)
+                except orjson.JSONDecodeError as exc:
+                    yield ValueError(f"{path}:{lineno}: not JSON: {exc}")
+                    continue
+                if not isinstance(row, dict):
+                    yield ValueError(
+                        f"{path}:{lineno}: a row must be a JSON object, got {type(row).__name__}"
+                    )
+                    continue
+                yield row
+        return
+    for row in source:
+        if not isinstance(row, Mapping):
+            yield ValueError(f"a row must be a mapping, got {type(row).__name__}")
+            continue
+        yield row
+
+
+def _rollout_of(traj: Trajectory) -> int:
+    return -1 if traj.rollout_index is None else traj.rollout_index
+
+
+class BridgeIterator:
+    """Iterate ``TrainBatch`` es of ``prompts_per_batch`` groups of ``group_size`` rollouts.
+
+    Args:
+        rows: a jsonl path or an iterable of dataset rows (stock Gym row shape).
+        source: where rollouts come from (:class:`~gymbridge.bridge.GymRollouts` or
+            :class:`~gymbridge.bridge.NativeRollouts`).
+        processor: processes each group's media once per content key (``None`` for text-only data).
+        group_size: G, rollouts per prompt.
+        prompts_per_batch: groups per yielded batch.
+        min_group_size: successful rollouts a group needs to be trained on (default G: all).
+        max_consecutive_failed_groups: failed groups in a row before :class:`BridgeStalledError`.
+        failures_path: append every failure record (rollout and group) as one jsonl line.
+        drop_last: drop a final batch with fewer than ``prompts_per_batch`` groups.
+        meter: payload metrics (``rollout_to_policy`` here; the source records its own).
+        replay: every yielded batch is also pushed into this buffer.
+        placeholder_token_ids: media placeholder ids a rollout must never *generate* (default: the
+            processor's image / video placeholders; pass every placeholder the model knows).
+        reward_fn: reward shaping (length penalty, format bonus, ...): the trained reward becomes
+            ``reward_fn(trajectory)``; the environment's stays in ``metadata["env_reward"]`` and the
+            difference is the ``"shaping"`` reward component. A non-finite value fails the rollout.
+    """
+
+    def __init__(
+        self,
+        rows: str | Path | Iterable[Mapping[str, Any]],
+        source: RolloutSource,
+        processor: MediaProcessor | None,
+        *,
+        group_size: int,
+        prompts_per_batch: int = 1,
+        min_group_size: int | None = None,
+        max_consecutive_failed_groups: int = 8,
+        dedup: bool = True,
+        advantage: AdvantageMode = "group_norm",
+        on_noncontiguous: Literal["error", "split"] = "error",
+        media_policy: MediaPolicy | None = None,
+        failures_path: str | Path | None = None,
+        drop_last: bool = False,
+        meter: PayloadMeter | None = None,
+        replay: ReplayBuffer | None = None,
+        placeholder_token_ids: Iterable[int] | None = None,
+        reward_fn: Callable[[Trajectory], float] | None = None,
+    ) -> None:
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        if prompts_per_batch < 1:
+            raise ValueError(f"prompts_per_batch must be >= 1, got {prompts_per_batch}")
+        min_group_size = group_size if min_group_size is None else min_group_size
+        if not 1 <= min_group_size <= group_size:
+            raise ValueError(f"min_group_size must be in [1, {group_size}], got {min_group_size}")
+        if max_consecutive_failed_groups < 1:
+            raise ValueError("max_consecutive_failed_groups must be >= 1")
+        self.source = source
+        self.processor = processor
+        self.group_size = group_size
+        self.prompts_per_batch = prompts_per_batch
+        self.min_group_size = min_group_size
+        self.max_consecutive_failed_groups = max_consecutive_failed_groups
+        self.dedup = dedup
+        self.advantage: AdvantageMode = advantage
+        self.on_noncontiguous: Literal["error", "split"] = on_noncontiguous
+        self.media_policy = media_policy
+        self.failures_path = Path(failures_path) if failures_path is not None else None
+        self.drop_last = drop_last
+        self.meter = meter
+        self.replay = replay
+        if placeholder_token_ids is None and processor is not None:
+            found = (processor.placeholder_token_id(m) for m in ("image", "video"))
+            placeholder_token_ids = [t for t in found if t is not None]
+        self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
+        self.reward_fn = reward_fn
+        self.stats = BridgeStats()
+        self.failures: list[dict[str, Any]] = []
+        self.last_groups: list[GroupResult] = []
+        """The groups of the most recently yielded batch (rewards, trajectories, partial failures)."""
+        self._rows = enumerate(read_rows(rows))
+        self._exhausted = False
+        self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
+        self._consecutive_failed = 0
+        self._failures_file: IO[bytes] | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ failures
+    def _record(self, record: dict[str, Any]) -> None:
+        self.failures.append(record)
+        if self.failures_path is not None:
+            if self._failures_file is None:
+                self.failures_path.parent.mkdir(parents=True, exist_ok=True)
+                self._failures_file = self.failures_path.open("ab")
+            self._failures_file.write(orjson.dumps(record, default=str) + b"\n")
+            self._failures_file.flush()
+
+    def _rollout_failure(
+        self, task_index: int, rollout_index: int, cls: str, reason: str, attempts: int
+    ) -> dict[str, Any]:
+        self.stats.rollouts_failed += 1
+        self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
+        record = {
+            "kind": "rollout",
+            "task_index": task_index,
+            "rollout_index": rollout_index,
+            "failure_class": cls,
+            "failure_reason": reason,
+            "attempts": attempts,
+            "time": time.time(),
+        }
+        self._record(record)
+        return record
+
+    # ------------------------------------------------------------------ one group
+    def _postprocess(self, rec: RolloutRecord) -> Trajectory | dict[str, Any]:
+        from gymbridge.trajectory import from_gym_result
+
+        if rec.result is None:
+            return self._rollout_failure(
+                rec.task_index,
+                rec.rollout_index,
+                rec.failure_class or "unknown",
+                rec.failure_reason or "",
+                rec.attempts,
+            )
+        try:
+            traj = from_gym_result(
+                rec.result, media_policy=self.media_policy, on_noncontiguous=self.on_noncontiguous
+            )
+        except (TrajectoryError, MediaError) as exc:
+            where = (
+                f" (output item {exc.item_index})"
+                if isinstance(exc, TrajectoryError) and exc.item_index is not None
+                else ""
+            )
+            return self._rollout_failure(
+                rec.task_index, rec.rollout_index, type(exc).__name__, f"{exc}{where}", rec.attempts
+            )
+        if traj.task_index is None or traj.rollout_index is None:
+            traj = replace(
+                traj,
+                task_index=rec.task_index if traj.task_index is None else traj.task_index,
+                rollout_index=rec.rollout_index if traj.rollout_index is None else traj.rollout_index,
+            )
+        if self.reward_fn is not None:
+            try:
+                shaped = float(self.reward_fn(traj))
+            except Exception as exc:  # a user's shaping function: its failure is this rollout's
+                return self._rollout_failure(
+                    rec.task_index,
+                    rec.rollout_index,
+                    "RewardFnError",
+                    f"{type(exc).__name__}: {exc}",
+                    rec.attempts,
+                )
+            if not math.isfinite(shaped):
+                return self._rollout_failure(
+                    rec.task_index,
+                    rec.rollout_index,
+                    "RewardFnError",
+                    f"reward_fn returned {shaped}",
+                    rec.attempts,
+                )
+            components = (
+                {**traj.reward_components, "shaping": shaped - traj.reward} if traj.reward_components else {}
+            )
+            traj = replace(
+                traj,
+                reward=shaped,
+                reward_components=components,
+                metadata={**traj.metadata, "env_reward": traj.reward},
+            )
+        bad = self._generated_placeholder(traj)
+        if bad is not None:
+            return self._rollout_failure(
+                rec.task_index, rec.rollout_index, "GeneratedPlaceholderToken", bad, rec.attempts
+            )
+        self.stats.rollouts_ok += 1
+        if traj.mask_sample:
+            self.stats.rollouts_masked += 1
+        return traj
+
+    def _generated_placeholder(self, traj: Trajectory) -> str | None:
+        """Why ``traj`` cannot be teacher-forced: a *sampled* media placeholder token, or ``None``.
+
+        A model may sample ``<|image_pad|>`` like any token; the VLM would then expect one
+        more image feature than the media provide, so the sequence cannot be trained on.
+        """
+        ids = self.placeholder_token_ids
+        if not ids:
+            return None
+        for turn in traj.turns:
+            hit = ids.intersection(turn.generation_token_ids)
+            if hit:
+                return (
+                    f"turn {turn.index} (output item {turn.item_index}) generated media placeholder token(s) "
+                    f"{sorted(hit)}: the sequence cannot be teacher-forced against its media"
+                )
+        return None
+
+    async def _run_group(self, task_index: int, row: Mapping[str, Any] | Exception) -> GroupResult:
+
+        started = time.monotonic()
+        failures: list[dict[str, Any]] = []
+        trajs: list[Trajectory] = []
+        if isinstance(row, Exception):
+            for i in range(self.group_size):
+                failures.append(self._rollout_failure(task_index, i, "bad_row", str(row), 0))
+        else:
+            try:
+                records = await self.source.rollouts(row, task_index=task_index, group_size=self.group_size)
+            except GymbridgeError as exc:  # a source bug or a setup failure: still data for this prompt
+                records = [
+                    RolloutRecord(task_index, i, failure_class=type(exc).__name__, failure_reason=str(exc))
+                    for i in range(self.group_size)
+                ]
+            if len(records) != self.group_size:
+                raise RuntimeError(
+                    f"rollout source returned {len(records)} records for a group of {self.group_size}"
+                )
+            for rec in records:
+                out = self._postprocess(rec)
+                if isinstance(out, dict):
+                    failures.append(out)
+                else:
+                    trajs.append(out)
+        batch: TrainBatch | None = None
+        reason: str | None = None
+        if len(trajs) >= self.min_group_size:
+            try:
+                batch = self._build(trajs)
+            except (TrajectoryError, MediaError) as exc:
+                # find the culprits one by one: one bad rollout must not sink its whole group
+                logger.info(
+                    "group of task %d did not build (%s); checking rollouts one by one", task_index, exc
+                )
+                good: list[Trajectory] = []
+                for traj in trajs:
+                    try:
+                        self._build([traj])
+                    except (TrajectoryError, MediaError) as one:
+                        self.stats.rollouts_ok -= 1
+                        failures.append(
+                            self._rollout_failure(
+                                task_index, _rollout_of(traj), type(one).__name__, str(one), attempts=0
+                            )
+                        )
+                    else:
+                        good.append(traj)
+                trajs = good
+                if len(trajs) >= self.min_group_size:
+                    try:
+                        batch = self._build(trajs)
+                    except (TrajectoryError, MediaError) as again:  # fails only together: give up
+                        reason = f"building the group's batch failed: {type(again).__name__}: {again}"
+        if batch is None and reason is None:
+            reason = (
+                f"only {len(trajs)} of {self.group_size} rollouts succeeded "
+                f"(min_group_size={self.min_group_size})"
+            )
+        rewards = [t.reward for t in trajs]
+        if batch is None:
+            self.stats.rollouts_dropped += len(trajs)
+            classes: dict[str, int] = collections.Counter(f["failure_class"] for f in failures)
+            record = {
+                "kind": "group",
+                "task_index": task_index,
+                "succeeded": len(trajs),
+                "group_size": self.group_size,
+                "failure_class": "group_failed",
+                "failure_reason": reason,
+                "rollout_failure_classes": dict(classes),
+                "dropped_rollouts": [_rollout_of(t) for t in trajs],
+                "time": time.time(),
+            }
+            self._record(record)
+            failures.append(record)
+        return GroupResult(task_index, batch, trajs, failures, rewards, time.monotonic() - started)
+
+    def _build(self, trajs: list[Trajectory]) -> TrainBatch:
+        from gymbridge.tensors import TrainBatch
+
+        return TrainBatch.from_trajectories(
+            trajs, self.processor, group_size=len(trajs), dedup=self.dedup, advantage=self.advantage
+        )
+
+    # ------------------------------------------------------------------ iteration
+    def _start_more(self, wanted: int) -> None:
+        while len(self._pending) < wanted and not self._exhausted:
+            try:
+                task_index, row = next(self._rows)
+            except StopIteration:
+                self._exhausted = True
+                break
+            self.stats.prompts_started += 1
+            self._pending.append(asyncio.ensure_future(self._run_group(task_index, row)))
+
+    def __aiter__(self) -> AsyncIterator[TrainBatch]:
+        return self
+
+    async def __anext__(self) -> TrainBatch:
+        if self._closed:
+            raise StopAsyncIteration
+        groups: list[GroupResult] = []
+        while len(groups) < self.prompts_per_batch:
+            self._start_more(self.prompts_per_batch - len(groups))
+            if not self._pending:
+                break
+            result = await self._pending.popleft()
+            if result.batch is None:
+                self.stats.groups_failed += 1
+                self._consecutive_failed += 1
+                logger.warning(
+                    "group of task %d failed: %s", result.task_index, result.failures[-1]["failure_reason"]
+                )
+                if self._consecutive_failed >= self.max_consecutive_failed_groups:
+                    await self.aclose()
+                    raise BridgeStalledError(
+                        f"{self._consecutive_failed} consecutive groups failed "
+                        f"(max_consecutive_failed_groups={self.max_consecutive_failed_groups}); "
+                        f"last: {result.failures[-1]['failure_reason']}; "
+                        f"rollout failures by class: {self.stats.failure_classes}",
+                        failures=self.failures[-4 * self.group_size :],
+                    )
+                continue
+            self._consecutive_failed = 0
+            self.stats.groups_completed += 1
+            if len(result.trajectories) < self.group_size:
+                self.stats.groups_partial += 1
+            if len(set(result.rewards)) <= 1:
+                self.stats.groups_zero_variance += 1
+            groups.append(result)
+        if not groups or (self.drop_last and len(groups) < self.prompts_per_batch):
+            await self.aclose()
+            if self.stats.groups_completed == 0 and self.stats.prompts_started > 0:
+                raise BridgeStalledError(
+                    "the dataset ended without a single completed group "
+                    f"({self.stats.groups_failed} failed); "
+                    f"rollout failures by class: {self.stats.failure_classes}",
+                    failures=self.failures[-4 * self.group_size :],
+                )
+            raise StopAsyncIteration
+        batch = self._assemble(groups)
+        self.last_groups = groups
+        self.stats.batches += 1
+        if self.meter is not None:
+            self.meter.record("rollout_to_policy", batch)
+        if self.replay is not None:
+            self.replay.push(batch)
+        return batch
+
+    def _assemble(self, groups: list[GroupResult]) -> TrainBatch:
+        from gymbridge.tensors import TrainBatch
+
+        parts = [g.batch for g in groups if g.batch is not None]
+        batch = TrainBatch.cat(parts)
+        sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
+        group_ids = torch.repeat_interleave(torch.arange(len(parts), dtype=torch.int64), sizes)
+        traj_counts = [int(p.sample_ids.max()) + 1 if len(p) else 0 for p in parts]
+        offsets = torch.tensor([0, *traj_counts[:-1]], dtype=torch.int64).cumsum(0)
+        sample_ids = batch.sample_ids + torch.repeat_interleave(offsets, sizes)
+        return replace(batch, group_ids=group_ids, sample_ids=sample_ids)
+
+    def __iter__(self) -> Iterator[TrainBatch]:
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                try:
+                    yield loop.run_until_complete(self.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            loop.run_until_complete(self.aclose())
+            loop.close()
+
+    async def aclose(self) -> None:
+        """Cancel rollouts still in flight and close the failures file (the source is the caller's)."""
+        self._closed = True
+        pending = list(self._pending)
+        self._pending.clear()
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._failures_file is not None:
+            self._failures_file.close()
+            self._failures_file = None

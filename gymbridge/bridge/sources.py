@@ -1,0 +1,202 @@
+"""Rollout sources: where the G rollouts of one prompt come from.
+
+A :class:`RolloutSource` turns one dataset row into ``group_size`` :class:`RolloutRecord` s,
+one per rollout, **always exactly** ``group_size`` of them, in rollout-index order: a
+rollout that failed is a record with ``failure_class`` / ``failure_reason`` (data, not an
+exception). Two sources ship:
+
+* :class:`GymRollouts` — the Gym path: ``POST <agent>/run`` through a
+  :class:`~gymbridge.client.GymClient`. ``_ng_task_index`` and ``_ng_rollout_index`` go at
+  the row's **top level**; ``responses_create_params`` is sent exactly as the dataset gave
+  it (genuine servers answer 422 to unknown keys there);
+* :class:`NativeRollouts` — the native path: :func:`~gymbridge.rollout.run_episode` drives a
+  :class:`~gymbridge.generation.Generator` and an environment server directly, the G
+  rollouts of a prompt concurrent and their model calls batched.
+
+Both return the ``/run`` result shape, so one postprocessor serves both. Payload metrics
+(``prompt_repeat``, ``gym_request``, ``gym_return``) are recorded when a meter is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from gymbridge.errors import GymbridgeError
+
+if TYPE_CHECKING:
+    from gymbridge.client import GymClient
+    from gymbridge.generation.types import Generator, SamplingConfig
+    from gymbridge.media import MediaPolicy
+    from gymbridge.metrics import PayloadMeter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GymRollouts", "NativeRollouts", "RolloutRecord", "RolloutSource", "indexed_rows"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRecord:
+    """One rollout's outcome: a ``/run``-shaped ``result`` or a failure (class + reason)."""
+
+    task_index: int
+    rollout_index: int
+    result: dict[str, Any] | None = None
+    failure_class: str | None = None
+    failure_reason: str | None = None
+    attempts: int = 0
+    elapsed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.result is None) == (self.failure_class is None):
+            raise ValueError("a RolloutRecord is either a result or a failure (class + reason), not both")
+
+    @property
+    def ok(self) -> bool:
+        return self.result is not None
+
+
+class RolloutSource(Protocol):
+    """Produces the ``group_size`` rollouts of one dataset row (see the module docstring)."""
+
+    async def rollouts(
+        self, row: Mapping[str, Any], *, task_index: int, group_size: int
+    ) -> list[RolloutRecord]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def indexed_rows(row: Mapping[str, Any], task_index: int, group_size: int) -> list[dict[str, Any]]:
+    """The G copies of ``row`` sent for one prompt: indices at the top level, nothing else changed."""
+    return [{**row, "_ng_task_index": task_index, "_ng_rollout_index": i} for i in range(group_size)]
+
+
+class GymRollouts:
+    """The Gym path: every rollout is one ``POST /run`` through ``client`` (deadlines, bounded retries)."""
+
+    def __init__(
+        self, client: GymClient, *, deadline_s: float | None = None, meter: PayloadMeter | None = None
+    ) -> None:
+        self.client = client
+        self.deadline_s = deadline_s
+        self.meter = meter
+
+    async def rollouts(
+        self, row: Mapping[str, Any], *, task_index: int, group_size: int
+    ) -> list[RolloutRecord]:
+        rows = indexed_rows(row, task_index, group_size)
+        if self.meter is not None:
+            self.meter.record("prompt_repeat", rows)
+            for r in rows:
+                self.meter.record("gym_request", r)
+        outcomes = await asyncio.gather(
+            *(self.client.run(r, deadline_s=self.deadline_s, index=i) for i, r in enumerate(rows))
+        )
+        records: list[RolloutRecord] = []
+        for i, out in enumerate(outcomes):
+            if out.result is not None:
+                if self.meter is not None:
+                    self.meter.record("gym_return", out.result)
+                records.append(
+                    RolloutRecord(
+                        task_index, i, result=out.result, attempts=out.attempts, elapsed_s=out.elapsed_s
+                    )
+                )
+            else:
+                records.append(
+                    RolloutRecord(
+                        task_index,
+                        i,
+                        failure_class=f"gym_{out.kind}",
+                        failure_reason=out.reason or "no reason given",
+                        attempts=out.attempts,
+                        elapsed_s=out.elapsed_s,
+                    )
+                )
+        return records
+
+    async def aclose(self) -> None:
+        """The client belongs to the caller: it is not closed here."""
+
+
+class NativeRollouts:
+    """The native path: :func:`~gymbridge.rollout.run_episode` against the environment at ``env_url``.
+
+    The generator is wrapped once in a :class:`~gymbridge.generation.BatchingGenerator`, so
+    the model calls of concurrent rollouts share forward passes. ``episode_kwargs`` go to
+    ``run_episode`` (``mode``, ``codec``, ``max_model_len``, ``tool_media``, ...).
+    """
+
+    def __init__(
+        self,
+        generator: Generator,
+        env_url: str,
+        *,
+        max_turns: int = 8,
+        sampling: SamplingConfig | None = None,
+        media_policy: MediaPolicy | None = None,
+        timeout_s: float = 120.0,
+        max_batch_size: int = 64,
+        meter: PayloadMeter | None = None,
+        **episode_kwargs: Any,
+    ) -> None:
+        from gymbridge.generation.batching import BatchingGenerator
+
+        self.env_url = env_url
+        self.max_turns = max_turns
+        self.sampling = sampling
+        self.media_policy = media_policy
+        self.timeout_s = timeout_s
+        self.meter = meter
+        self._owned = not isinstance(generator, BatchingGenerator)
+        self.generator: Any = (
+            generator if not self._owned else BatchingGenerator(generator, max_batch_size=max_batch_size)
+        )
+        episode_kwargs.setdefault("codec", getattr(generator, "codec", None))
+        episode_kwargs.setdefault("max_model_len", getattr(generator, "max_model_len", None))
+        self.episode_kwargs = episode_kwargs
+
+    async def _one(self, row: dict[str, Any], task_index: int, index: int) -> RolloutRecord:
+        from gymbridge.rollout import run_episode
+
+        started = time.monotonic()
+        try:
+            result = await run_episode(
+                self.generator,
+                self.env_url,
+                row,
+                max_turns=self.max_turns,
+                sampling=self.sampling,
+                media_policy=self.media_policy,
+                timeout_s=self.timeout_s,
+                **self.episode_kwargs,
+            )
+        except GymbridgeError as exc:
+            logger.warning("native rollout %d/%d failed: %s: %s", task_index, index, type(exc).__name__, exc)
+            return RolloutRecord(
+                task_index,
+                index,
+                failure_class=type(exc).__name__,
+                failure_reason=str(exc) or repr(exc),
+                attempts=1,
+                elapsed_s=time.monotonic() - started,
+            )
+        return RolloutRecord(
+            task_index, index, result=result, attempts=1, elapsed_s=time.monotonic() - started
+        )
+
+    async def rollouts(
+        self, row: Mapping[str, Any], *, task_index: int, group_size: int
+    ) -> list[RolloutRecord]:
+        rows = indexed_rows(row, task_index, group_size)
+        if self.meter is not None:
+            self.meter.record("prompt_repeat", rows)
+        return list(await asyncio.gather(*(self._one(r, task_index, i) for i, r in enumerate(rows))))
+
+    async def aclose(self) -> None:
+        if self._owned:
+            await self.generator.aclose()

@@ -1,0 +1,41 @@
+"""The reference GRPO trainer (CPU-capable), Ray data-parallel workers and the smoke launcher.
+
+Public API (stable): :class:`GRPOTrainer`, :class:`GRPOConfig`, :class:`StepMetrics`,
+:func:`token_logprobs`, :func:`grpo_token_loss`, :class:`RayDPTrainer`, :func:`init_ray`,
+:func:`param_digest`, :func:`tiny_policy`; the launcher lives in
+:mod:`gymbridge.trainer.smoke` (``gymbridge smoke``). Ray is imported only when a
+:class:`RayDPTrainer` is made.
+"""
+
+from __future__ import annotations
+
+from gymbridge.trainer.grpo import (
+    GradientResult,
+    GRPOConfig,
+    GRPOTrainer,
+    StepMetrics,
+    grpo_token_loss,
+    media_kwargs,
+    summarize,
+    token_logprobs,
+)
+from gymbridge.trainer.models import from_config, tiny_policy
+from gymbridge.trainer.ray_dp import DPWorker, RayDPTrainer, init_ray, param_digest, require_ray
+
+__all__ = [
+    "DPWorker",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "GradientResult",
+    "RayDPTrainer",
+    "StepMetrics",
+    "from_config",
+    "grpo_token_loss",
+    "init_ray",
+    "media_kwargs",
+    "param_digest",
+    "require_ray",
+    "summarize",
+    "tiny_policy",
+    "token_logprobs",
+]

@@ -1,0 +1,308 @@
+"""A reference GRPO step: teacher-forced logprobs, clipped-ratio policy gradient, one optimizer step.
+
+Shapes: a :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row
+``b`` and position ``t >= 1``, the new logprob is ``log_softmax(logits[b, t-1] / T)[ids[b, t]]``
+(``T`` the sampling temperature the rollouts used); the generation logprob stored at
+``batch.logprobs[b, t]`` is the old one. With ``ratio = exp(new - old)`` and the row's
+advantage ``A``, the per-token loss is ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``,
+averaged over every loss-masked token of the batch (token-level mean; the batch's
+``loss_mask`` is 0 on prompt, observation, padding and ``mask_sample`` rows). No KL term
+(reference-free GRPO); top-p is not re-applied (the ratio uses the temperature-scaled
+distribution).
+
+Invariants:
+
+* media are materialized only here, per micro-batch, right before the forward pass
+  (``PackedTensor.materialize`` of the micro-batch's rows, in row order: the order the
+  model consumes image placeholders);
+* gradients of a batch split into micro-batches (or DP shards, see
+  :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
+  its loss sum by the token count of the whole batch (``total_loss_tokens``);
+* the model runs in eval mode (no dropout), so the ratio is 1 when the weights have not
+  changed since generation; the optimizer and model are this trainer's own.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from gymbridge.config import StrictModel
+from gymbridge.errors import TrajectoryError
+
+if TYPE_CHECKING:
+    from gymbridge.tensors import TrainBatch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "GradientResult",
+    "StepMetrics",
+    "grpo_token_loss",
+    "media_kwargs",
+    "token_logprobs",
+]
+
+
+class GRPOConfig(StrictModel):
+    """Trainer settings (YAML: the ``trainer:`` section of a launcher config)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    max_grad_norm: float | None = 1.0
+    temperature: float = 1.0
+    """The sampling temperature of the rollouts: new logprobs use the same scaled distribution."""
+    micro_batch_max_tokens: int = 8192
+    """Padded tokens (rows x longest row) per forward pass."""
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one step reports (``loss`` is the token-mean clipped-PG loss before the update)."""
+
+    loss: float
+    mean_reward: float
+    mean_advantage_abs: float
+    num_rows: int
+    num_tokens: int
+    num_loss_tokens: int
+    grad_norm: float
+    clip_fraction: float
+    mean_ratio: float
+    approx_kl: float
+    """Mean of ``old - new`` logprob over loss tokens (k1 estimator of KL(old || new))."""
+    elapsed_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class GradientResult:
+    """Gradients of one batch part (one tensor per trainable parameter, in ``parameters()`` order)."""
+
+    grads: list[torch.Tensor]
+    loss_sum: float
+    """Sum over this part's loss tokens of the per-token loss, divided by the total token count."""
+    loss_tokens: int
+    clipped_tokens: int
+    ratio_sum: float
+    kl_sum: float
+
+
+def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The model's media inputs for ``batch``: each media key materialized in row order (or absent)."""
+    out: dict[str, torch.Tensor] = {}
+    for key, packed in batch.media.items():
+        dense = packed.materialize()
+        if dense is not None:
+            out[key] = dense
+    return out
+
+
+def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
+    device = next(model.parameters()).device
+    kwargs: dict[str, Any] = {
+        "input_ids": batch.input_ids.to(device),
+        "attention_mask": batch.attention_mask.to(device),
+    }
+    media = media_kwargs(batch)
+    model_dtype = next(model.parameters()).dtype
+    for key, value in media.items():
+        kwargs[key] = value.to(device=device, dtype=model_dtype if value.is_floating_point() else value.dtype)
+    config = model.config
+    _check_image_placeholders(config, batch, media)
+    if media and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+        types = torch.zeros_like(batch.input_ids, dtype=torch.int32)
+        # only modalities whose media are present: a stray placeholder id is text, not a crash
+        for tid_name, code, key in (
+            ("image_token_id", 1, "image_grid_thw"),
+            ("video_token_id", 2, "video_grid_thw"),
+        ):
+            tid = getattr(config, tid_name, None)
+            if tid is not None and key in media:
+                types[batch.input_ids == tid] = code
+        kwargs["mm_token_type_ids"] = types.to(device)
+    return kwargs
+
+
+def _check_image_placeholders(config: Any, batch: TrainBatch, media: dict[str, torch.Tensor]) -> None:
+    """Image placeholder tokens must equal the features the grids imply (else the VLM cannot run)."""
+    tid = getattr(config, "image_token_id", None)
+    vision = getattr(config, "vision_config", None)
+    merge = int(getattr(vision, "spatial_merge_size", 0) or 0)
+    if tid is None or not merge:
+        return
+    have = int((batch.input_ids == tid).sum())
+    grid = media.get("image_grid_thw")
+    want = int(grid.to(torch.int64).prod(dim=-1).sum()) // (merge * merge) if grid is not None else 0
+    if have != want:
+        per_row = (batch.input_ids == tid).sum(dim=1).tolist()
+        raise TrajectoryError(
+            f"the batch holds {have} image placeholder tokens but its images give {want} features "
+            f"(placeholders per row: {per_row}); a generated placeholder token or media that do not "
+            "belong to these rows"
+        )
+
+
+def token_logprobs(model: Any, batch: TrainBatch, *, temperature: float = 1.0) -> torch.Tensor:
+    """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
+
+    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
+    logits = model(**_forward_kwargs(model, batch)).logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    ids = batch.input_ids.to(logits.device)
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
+    out[:, 1:] = lp
+    return out * batch.attention_mask.to(out.device)
+
+
+def grpo_token_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    total_loss_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped-ratio PG loss over ``[B, L]`` token logprobs with row advantages ``[B]``.
+
+    Returns ``(loss, stats)``: ``loss`` is the sum of per-token losses over ``loss_mask``
+    divided by ``total_loss_tokens`` (default: this mask's token count), so parts of a batch
+    sum to the batch's token mean. ``stats`` holds ``clipped`` (tokens whose ratio was
+    clipped in the active direction), ``ratio_sum`` and ``kl_sum`` over masked tokens.
+    """
+    mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
+    tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
+    log_ratio = (new_logprobs - old_logprobs.to(new_logprobs)) * mask
+    ratio = torch.exp(log_ratio)
+    adv = advantages.to(new_logprobs)[:, None]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = (per_token * mask).sum() / max(tokens, 1)
+    with torch.no_grad():
+        was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
+        stats = {
+            "clipped": float(was_clipped),
+            "ratio_sum": float((ratio * mask).sum()),
+            "kl_sum": float((-log_ratio * mask).sum()),
+        }
+    return loss, stats
+
+
+class GRPOTrainer:
+    """Owns a policy model and its optimizer (AdamW); :meth:`step` runs one GRPO update."""
+
+    def __init__(self, model: Any, config: GRPOConfig | None = None, *, optimizer: Any | None = None) -> None:
+        self.model = model
+        self.config = config or GRPOConfig()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = optimizer or torch.optim.AdamW(
+            self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+        )
+        self.steps = 0
+
+    def compute_gradients(self, batch: TrainBatch, *, total_loss_tokens: int | None = None) -> GradientResult:
+        """Gradients of ``batch``'s loss (micro-batched by token budget); the model is not updated.
+
+        ``total_loss_tokens`` is the loss-token count of the whole batch this one is part of
+        (default: this batch's own), so gradients of parts add up to the whole's.
+        """
+        cfg = self.config
+        total = int(batch.loss_mask.sum()) if total_loss_tokens is None else int(total_loss_tokens)
+        grads = [torch.zeros_like(p) for p in self.params]
+        result = GradientResult(grads, 0.0, int(batch.loss_mask.sum()), 0, 0.0, 0.0)
+        if len(batch) == 0 or result.loss_tokens == 0:
+            return result
+        self.model.eval()
+        loss_sum = ratio_sum = kl_sum = 0.0
+        clipped = 0
+        for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
+            if float(mb.loss_mask.sum()) == 0:
+                continue
+            new_lp = token_logprobs(self.model, mb, temperature=cfg.temperature)
+            loss, stats = grpo_token_loss(
+                new_lp,
+                mb.logprobs,
+                mb.advantages,
+                mb.loss_mask,
+                clip_eps_low=cfg.clip_eps_low,
+                clip_eps_high=cfg.clip_eps_high,
+                total_loss_tokens=total,
+            )
+            part = torch.autograd.grad(loss, self.params, allow_unused=True)
+            for acc, g in zip(grads, part, strict=True):
+                if g is not None:
+                    acc.add_(g)
+            loss_sum += float(loss.detach())
+            clipped += int(stats["clipped"])
+            ratio_sum += stats["ratio_sum"]
+            kl_sum += stats["kl_sum"]
+        return GradientResult(grads, loss_sum, result.loss_tokens, clipped, ratio_sum, kl_sum)
+
+    def apply_gradients(self, grads: list[torch.Tensor]) -> float:
+        """Set ``grads``, clip them to ``max_grad_norm`` (in place), step; returns the pre-clip norm."""
+        for p, g in zip(self.params, grads, strict=True):
+            p.grad = g.to(device=p.device, dtype=p.dtype)
+        if self.config.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        for g, p in zip(grads, self.params, strict=True):
+            assert p.grad is not None
+            g.copy_(p.grad)  # callers (DP workers) apply exactly the clipped gradients
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return norm
+
+    def step(self, batch: TrainBatch) -> StepMetrics:
+        """One GRPO update on ``batch``; returns its metrics."""
+        started = time.perf_counter()
+        res = self.compute_gradients(batch)
+        norm = self.apply_gradients(res.grads)
+        return summarize(batch, [res], norm, time.perf_counter() - started)
+
+
+def summarize(
+    batch: TrainBatch, parts: list[GradientResult], grad_norm: float, elapsed_s: float
+) -> StepMetrics:
+    """Step metrics from the gradient results of a batch's parts."""
+    tokens = sum(p.loss_tokens for p in parts)
+    rows = batch.sample_mask.bool()
+    # one reward per trajectory (a split trajectory has several rows sharing it)
+    traj_rewards: dict[int, float] = {}
+    for sid, r, keep in zip(batch.sample_ids.tolist(), batch.rewards.tolist(), rows.tolist(), strict=True):
+        if keep:
+            traj_rewards[int(sid)] = float(r)
+    return StepMetrics(
+        loss=sum(p.loss_sum for p in parts),
+        mean_reward=sum(traj_rewards.values()) / len(traj_rewards) if traj_rewards else float("nan"),
+        mean_advantage_abs=float(batch.advantages[rows].abs().mean()) if bool(rows.any()) else 0.0,
+        num_rows=len(batch),
+        num_tokens=batch.num_tokens,
+        num_loss_tokens=tokens,
+        grad_norm=grad_norm,
+        clip_fraction=sum(p.clipped_tokens for p in parts) / max(tokens, 1),
+        mean_ratio=sum(p.ratio_sum for p in parts) / max(tokens, 1),
+        approx_kl=sum(p.kl_sum for p in parts) / max(tokens, 1),
+        elapsed_s=elapsed_s,
+    )

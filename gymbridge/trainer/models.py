@@ -1,0 +1,32 @@
+"""Model factories for the trainer: picklable callables that build a policy in any process.
+
+Ray DP workers build their model copy from a factory (then load the driver's weights), so a
+factory must be a module-level function or a ``functools.partial`` of one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+__all__ = ["from_config", "tiny_policy"]
+
+
+def tiny_policy(seed: int = 0) -> Any:
+    """A private, trainable copy of the tiny offline Qwen2-VL (``build_tiny_vlm`` is cached and shared)."""
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+    return copy.deepcopy(build_tiny_vlm(seed).model)
+
+
+def from_config(model_class: type[Any], config: Any) -> Any:
+    """A fresh ``model_class(config)`` (random weights, to be overwritten by a state dict).
+
+    ``functools.partial(from_config, type(model), model.config)`` is the cheap factory a DP
+    worker needs: no tokenizer, no processor, nothing downloaded.
+    """
+    import torch
+
+    with torch.device("cpu"):
+        model = model_class(config)
+    return model.eval()

@@ -1,0 +1,391 @@
+"""``gymbridge smoke``: the whole data flow on loopback, in one command, in well under a minute.
+
+On local defaults (``configs/smoke.yaml``) it
+
+1. generates a small dataset with the environment's data generator (``circle_click``) and
+   writes it as jsonl (the bridge reads it like any dataset);
+2. starts, in this process on 127.0.0.1 free ports: the environment server, a model server
+   (:class:`~gymbridge.generation.ModelServer`) over the tiny offline Qwen2-VL, and
+   gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
+   ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`;
+3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
+   ``prompts_per_step`` x ``group_size`` rollouts, then the
+   :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
+   ``dp_workers > 0``) updates the policy **the generator samples from** (one model object:
+   the next step is on-policy);
+4. prints one line per step (reward, loss, tokens, grad norm, rollouts ok / failed, time)
+   and the payload table, and stops every server it started, on success, error or Ctrl-C.
+
+Invariants: nothing is downloaded; nothing listens outside 127.0.0.1; the training step runs
+off the event loop so the servers stay responsive; failed rollouts land in
+``<work_dir>/failures.jsonl`` and in the printed counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import importlib
+import logging
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import orjson
+import yaml
+from pydantic import Field
+
+from gymbridge.config import StrictModel, load_config
+from gymbridge.errors import ConfigError
+from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_CONFIG", "SmokeConfig", "SmokeResult", "add_smoke_commands", "main", "run_smoke"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+
+
+class SmokeConfig(StrictModel):
+    """The launcher's settings (``configs/smoke*.yaml``); every field can be overridden on the CLI."""
+
+    env: str = "circle_click"
+    env_params: dict[str, Any] = Field(default_factory=dict)
+    """Data-generator parameters (``gymbridge env list --params``)."""
+    native: bool = False
+    """Native rollouts (``run_episode``) instead of agent + model server."""
+    steps: int = Field(3, ge=1)
+    prompts_per_step: int = Field(2, ge=1)
+    group_size: int = Field(4, ge=1)
+    min_group_size: int | None = Field(None, ge=1)
+    seed: int = 0
+    """Dataset seed."""
+    model_seed: int = 0
+    """Seed of the tiny model's random weights."""
+    max_tokens: int = Field(24, ge=1)
+    """Generation budget per model call (``max_output_tokens`` of each row)."""
+    max_turns: int = Field(2, ge=1)
+    max_model_len: int = Field(2048, ge=16)
+    rollout_deadline_s: float = Field(120.0, gt=0)
+    max_consecutive_failed_groups: int = Field(4, ge=1)
+    dedup: bool = True
+    payload_metrics: bool = True
+    dp_workers: int = Field(0, ge=0)
+    """0: train in this process; N: N Ray actors (the ``ray`` extra)."""
+    ray_num_cpus: int = Field(2, ge=1)
+    replay_capacity_groups: int = Field(0, ge=0)
+    """> 0: keep a replay buffer and checkpoint it atomically after every step."""
+    work_dir: str | None = None
+    """Dataset, failures jsonl and replay checkpoint (default: a fresh temporary directory)."""
+    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
+    """``trainer.temperature`` is also the sampling temperature of the rollouts."""
+
+
+@dataclass
+class SmokeResult:
+    """What a smoke run produced (the printed numbers, kept for tests and scripts)."""
+
+    steps: list[StepMetrics] = field(default_factory=list)
+    rollouts_ok: int = 0
+    rollouts_failed: int = 0
+    bridge_stats: dict[str, Any] = field(default_factory=dict)
+    payload_table: str = ""
+    urls: dict[str, str] = field(default_factory=dict)
+    """The servers this run started (all stopped when it returns)."""
+    work_dir: str = ""
+    elapsed_s: float = 0.0
+
+
+def _environments() -> ModuleType:
+    try:
+        return importlib.import_module("environments")
+    except ModuleNotFoundError as exc:
+        if exc.name != "environments":
+            raise
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "environments" / "registry.py").is_file():
+        sys.path.insert(0, str(checkout))
+        return importlib.import_module("environments")
+    raise ConfigError(
+        ["the example environments are not importable: run from a gymbridge checkout (pip install -e .)"]
+    )
+
+
+def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
+    spec.check_params(cfg.env_params)
+    n = cfg.steps * cfg.prompts_per_step
+    try:
+        rows = list(spec.generate(n, cfg.seed, **cfg.env_params))
+    except (TypeError, ValueError) as exc:  # a generator refusing its parameters
+        raise ConfigError([f"env_params: {cfg.env} generator: {exc}"]) from exc
+    with path.open("wb") as f:
+        for row in rows:
+            rcp = dict(row["responses_create_params"])
+            # sampling settings are valid Responses-API fields of the dataset row itself
+            rcp.setdefault("max_output_tokens", cfg.max_tokens)
+            rcp.setdefault("temperature", cfg.trainer.temperature)
+            f.write(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    return n
+
+
+def _step_line(step: int, total: int, m: StepMetrics, ok: int, failed: int) -> str:
+    return (
+        f"step {step}/{total}  reward {m.mean_reward:.3f}  loss {m.loss:+.5f}  tokens {m.num_tokens} "
+        f"(trained {m.num_loss_tokens})  grad_norm {m.grad_norm:.4f}  ratio {m.mean_ratio:.4f}  "
+        f"rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
+    )
+
+
+async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> SmokeResult:
+    from tqdm.auto import tqdm
+
+    from gymbridge.bridge import BridgeIterator, GymRollouts, NativeRollouts, ReplayBuffer
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.metrics import PayloadMeter
+    from gymbridge.server import start_server
+    from gymbridge.tensors import MediaProcessor
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.trainer.grpo import GRPOTrainer
+    from gymbridge.trainer.models import from_config, tiny_policy
+
+    started = time.perf_counter()
+    result = SmokeResult(work_dir=str(work))
+    spec = _environments().get_env(cfg.env)
+    dataset = work / "dataset.jsonl"
+    n_rows = _write_dataset(cfg, spec, dataset)
+    print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
+
+    tiny = build_tiny_vlm(cfg.model_seed)
+    policy = tiny_policy(cfg.model_seed)  # one model: the generator samples from what the trainer updates
+    generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+    meter = PayloadMeter(enabled=cfg.payload_metrics)
+    step_trainer: Any = GRPOTrainer(policy, cfg.trainer)
+
+    async with contextlib.AsyncExitStack() as stack:
+        env = await start_server(spec.make_server())
+        stack.push_async_callback(env.stop)
+        result.urls["environment"] = env.url
+        source: Any
+        if cfg.native:
+            source = NativeRollouts(
+                generator, env.url, max_turns=cfg.max_turns, timeout_s=cfg.rollout_deadline_s, meter=meter
+            )
+        else:
+            from gymbridge.client import GymClient
+            from gymbridge.generation.server import ModelServer, ModelServerConfig
+            from gymbridge.server import SimpleAgent
+
+            model_server = ModelServer(
+                generator,
+                config=ModelServerConfig(
+                    model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+                    max_model_len=cfg.max_model_len,
+                    default_max_tokens=cfg.max_tokens,
+                ),
+            )
+            model_url = await model_server.start()
+            stack.push_async_callback(model_server.stop)
+            agent = SimpleAgent(
+                resources_url=env.url,
+                model_url=model_url,
+                gymnasium=spec.style == "gymnasium",
+                max_steps=cfg.max_turns,
+                model_timeout_s=cfg.rollout_deadline_s,
+            )
+            agent_running = await start_server(agent)
+            stack.push_async_callback(agent_running.stop)
+            client = GymClient(agent_running.url, deadline_s=cfg.rollout_deadline_s)
+            stack.push_async_callback(client.aclose)
+            source = GymRollouts(client, deadline_s=cfg.rollout_deadline_s, meter=meter)
+            result.urls.update(model=model_url, agent=agent_running.url)
+        stack.push_async_callback(source.aclose)
+        print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
+
+        if cfg.dp_workers > 0:
+            from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
+
+            try:
+                ray = require_ray()
+            except ImportError as exc:
+                raise ConfigError([f"dp_workers={cfg.dp_workers}: {exc}"]) from exc
+            if not ray.is_initialized():
+                init_ray(cfg.ray_num_cpus)
+                stack.callback(ray.shutdown)  # ours: stopped after the workers (LIFO)
+            step_trainer = RayDPTrainer(
+                step_trainer,
+                functools.partial(from_config, type(policy), policy.config),
+                cfg.dp_workers,
+                meter=meter,
+            )
+            stack.callback(step_trainer.shutdown)
+        replay = ReplayBuffer(cfg.replay_capacity_groups, meter=meter) if cfg.replay_capacity_groups else None
+        bridge = BridgeIterator(
+            dataset,
+            source,
+            MediaProcessor(tiny.processor),
+            group_size=cfg.group_size,
+            prompts_per_batch=cfg.prompts_per_step,
+            min_group_size=cfg.min_group_size,
+            max_consecutive_failed_groups=cfg.max_consecutive_failed_groups,
+            dedup=cfg.dedup,
+            failures_path=work / "failures.jsonl",
+            meter=meter,
+            replay=replay,
+            placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
+        )
+        stack.push_async_callback(bridge.aclose)
+        bar = tqdm(total=cfg.steps, desc="smoke", unit="step", disable=not progress, file=sys.stderr)
+        stack.callback(bar.close)
+        for step in range(1, cfg.steps + 1):
+            before_ok, before_failed = bridge.stats.rollouts_ok, bridge.stats.rollouts_failed
+            try:
+                batch = await bridge.__anext__()
+            except StopAsyncIteration:
+                print(f"the dataset ran out after {step - 1} step(s)", file=out)
+                break
+            metrics: StepMetrics = await asyncio.to_thread(step_trainer.step, batch)
+            result.steps.append(metrics)
+            ok = bridge.stats.rollouts_ok - before_ok
+            failed = bridge.stats.rollouts_failed - before_failed
+            bar.update(1)
+            bar.clear()
+            print(_step_line(step, cfg.steps, metrics, ok, failed), file=out, flush=True)
+            if replay is not None:
+                replay.save(work / "replay.ckpt")
+        bar.close()
+        result.rollouts_ok = bridge.stats.rollouts_ok
+        result.rollouts_failed = bridge.stats.rollouts_failed
+        result.bridge_stats = bridge.stats.as_dict()
+    if cfg.payload_metrics:
+        result.payload_table = meter.table()
+        print("\npayload per boundary (pickle-5 bytes; ratio = logical / physical media bytes):", file=out)
+        print(result.payload_table, file=out)
+    result.elapsed_s = time.perf_counter() - started
+    s = result.bridge_stats
+    print(
+        f"\ndone: {len(result.steps)} step(s), {result.rollouts_ok} rollouts ok, "
+        f"{result.rollouts_failed} failed ({s.get('groups_failed', 0)} failed group(s), "
+        f"{s.get('groups_zero_variance', 0)} zero-variance), "
+        f"{result.elapsed_s:.1f}s total; failures: {work / 'failures.jsonl'}",
+        file=out,
+    )
+    return result
+
+
+def run_smoke(cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = False) -> SmokeResult:
+    """Run the smoke launcher to completion (its own event loop); every server is stopped on return."""
+    out = out if out is not None else sys.stdout
+    if cfg.work_dir is not None:
+        work = Path(cfg.work_dir)
+        work.mkdir(parents=True, exist_ok=True)
+        return asyncio.run(_run(cfg, out, progress, work))
+    with tempfile.TemporaryDirectory(prefix="gymbridge-smoke-") as tmp:
+        return asyncio.run(_run(cfg, out, progress, Path(tmp)))
+
+
+# ------------------------------------------------------------------------ CLI
+def _parse_override(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys allowed), got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed
+
+
+def build_config(
+    config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
+) -> SmokeConfig:
+    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags."""
+    data: dict[str, Any] = {}
+    path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
+    if config_path is not None or path.is_file():
+        data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
+    for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError([f"{key}: {part} is not a section"])
+            node = child
+        node[parts[-1]] = value
+    return load_config(data, SmokeConfig)
+
+
+def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
+    """The launcher's options, on any parser."""
+    parser.add_argument(
+        "--config", type=Path, default=None, help=f"YAML config (default {DEFAULT_CONFIG.name})"
+    )
+    parser.add_argument(
+        "--native", action="store_true", default=None, help="native rollouts (no agent/model server)"
+    )
+    parser.add_argument("--env", default=None, help="example environment (default circle_click)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
+    parser.add_argument("--prompts", dest="prompts_per_step", type=int, default=None, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=None, help="rollouts per prompt (G)")
+    parser.add_argument("--dp", dest="dp_workers", type=int, default=None, help="Ray DP workers (0: none)")
+    parser.add_argument("--work-dir", default=None, help="keep dataset / failures / checkpoints here")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=_parse_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key (dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_cmd_smoke)
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    flags = {
+        k: getattr(args, k)
+        for k in ("native", "env", "steps", "prompts_per_step", "group_size", "dp_workers", "work_dir")
+    }
+    cfg = build_config(args.config, args.overrides, flags)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /run call drowns the steps
+    run_smoke(cfg, progress=not args.no_progress)
+    return 0
+
+
+def add_smoke_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``smoke run`` under a command group (the ``gymbridge.cli`` dispatch-table hook)."""
+    p_run = sub.add_parser("run", help="run the end-to-end smoke on loopback (env + agent + model + GRPO)")
+    add_smoke_arguments(p_run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m gymbridge.trainer.smoke [options]`` (same options as ``gymbridge smoke``)."""
+    from gymbridge.errors import GymbridgeError
+
+    parser = argparse.ArgumentParser(
+        prog="gymbridge smoke", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_smoke_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except GymbridgeError as exc:
+        print(f"gymbridge smoke: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

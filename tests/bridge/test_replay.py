@@ -1,0 +1,90 @@
+"""ReplayBuffer: whole groups in and out, media deduplicated through pickling, atomic checkpoints."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from bridge_helpers import FakeAgent, make_rows
+
+from gymbridge.bridge import BridgeIterator, GymRollouts, ReplayBuffer, ReplayCheckpointError, write_atomic
+from gymbridge.client import GymClient
+from gymbridge.metrics import PayloadMeter
+from gymbridge.tensors import MediaProcessor, TrainBatch
+from gymbridge.testing.tiny_vlm import TinyVLM
+
+
+@pytest.fixture
+def batch(tiny: TinyVLM, processor: MediaProcessor) -> TrainBatch:
+    agent = FakeAgent(tiny, lambda t, r: float(r % 2))
+    client = GymClient("http://agent.test", transport=agent.transport())
+    it = BridgeIterator(make_rows(3), GymRollouts(client), processor, group_size=4, prompts_per_batch=3)
+    return next(iter(it))
+
+
+def test_sample_returns_whole_groups_renumbered(batch: TrainBatch) -> None:
+    meter = PayloadMeter(enabled=True)
+    buf = ReplayBuffer(10, seed=1, meter=meter)
+    assert buf.push(batch) == 3
+    out = buf.sample(2)
+    assert len(out) == 8 and out.group_ids.tolist() == [0] * 4 + [1] * 4
+    tasks = [m["task_index"] for m in out.metadata]
+    assert tasks[:4] == [tasks[0]] * 4 and tasks[4:] == [tasks[4]] * 4 and tasks[0] != tasks[4]
+    assert out.media["pixel_values"].num_segments == 2  # one image per sampled group, still shared
+    assert set(meter.report()) == {"replay_push", "replay_sample"}
+    with pytest.raises(ValueError, match="cannot sample 4"):
+        buf.sample(4)
+
+
+def test_checkpoint_roundtrip_keeps_media_deduplicated(batch: TrainBatch, tmp_path: Path) -> None:
+    buf = ReplayBuffer(10)
+    buf.push(batch)
+    buf.push(batch)  # the same groups twice: their media must still be stored once
+    path = tmp_path / "replay.ckpt"
+    size = buf.save(path)
+    unique = batch.media_physical_nbytes
+    assert unique < size < unique * 1.3  # each image once in the file, not 8 times
+    loaded = ReplayBuffer.load(path)
+    assert len(loaded) == 6 and loaded.pushed_groups == 6
+    whole = loaded.sample(6)
+    assert whole.media["pixel_values"].num_segments == 3 and whole.media["pixel_values"].num_refs == 24
+    for a, b in zip(buf.groups, loaded.groups, strict=True):
+        torch.testing.assert_close(a.input_ids, b.input_ids)
+        torch.testing.assert_close(
+            a.media["pixel_values"].materialize(), b.media["pixel_values"].materialize()
+        )
+    assert [p.name for p in tmp_path.iterdir()] == ["replay.ckpt"]  # no temp file left behind
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_usable(batch: TrainBatch, tmp_path: Path) -> None:
+    path = tmp_path / "replay.ckpt"
+    buf = ReplayBuffer(10)
+    buf.push(batch.select(torch.arange(4)))
+    buf.save(path)
+    before = path.read_bytes()
+
+    def crashing_writer() -> Iterator[bytes]:
+        data = pickle.dumps(ReplayBuffer(10).state(), protocol=5)
+        yield data[: len(data) // 2]
+        raise KeyboardInterrupt("killed mid-write")
+
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(path, crashing_writer())
+    assert path.read_bytes() == before
+    assert len(ReplayBuffer.load(path)) == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["replay.ckpt"]
+
+
+def test_a_truncated_checkpoint_is_a_clear_error(batch: TrainBatch, tmp_path: Path) -> None:
+    path = tmp_path / "replay.ckpt"
+    buf = ReplayBuffer(4)
+    buf.push(batch)
+    buf.save(path)
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ReplayCheckpointError, match="corrupt"):
+        ReplayBuffer.load(path)
+    with pytest.raises(ReplayCheckpointError, match="cannot read"):
+        ReplayBuffer.load(tmp_path / "missing.ckpt")

@@ -1,0 +1,37 @@
+"""Every launcher config in configs/ loads and validates (unknown keys and bad values are errors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gymbridge.config import load_config
+from gymbridge.errors import ConfigError
+from gymbridge.trainer.smoke import SmokeConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+def test_there_are_configs() -> None:
+    assert any(p.name == "smoke.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_config_validates(path: Path) -> None:
+    cfg = load_config(path, SmokeConfig)
+    assert cfg.steps >= 1 and cfg.group_size >= 1
+    if cfg.min_group_size is not None:
+        assert cfg.min_group_size <= cfg.group_size
+    from environments import get_env
+
+    spec = get_env(cfg.env)
+    spec.check_params(cfg.env_params)  # every generator parameter exists
+    list(spec.generate(1, cfg.seed, **cfg.env_params))  # and the generator accepts the values
+
+
+def test_a_typo_is_an_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: 2\ntrainer:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="learning_rate"):
+        load_config(bad, SmokeConfig)

@@ -1,0 +1,122 @@
+"""The reference GRPO step on the tiny VLM: it trains, masks, clips and reports honestly."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from trainer_helpers import make_batch, with_current_logprobs
+
+from gymbridge.errors import TrajectoryError
+from gymbridge.tensors import TrainBatch
+from gymbridge.testing.tiny_vlm import TinyVLM, build_tiny_vlm
+from gymbridge.trainer import GRPOConfig, GRPOTrainer, grpo_token_loss, tiny_policy, token_logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TinyVLM:
+    return build_tiny_vlm(0)
+
+
+@pytest.fixture(scope="module")
+def batch(tiny: TinyVLM) -> TrainBatch:
+    return make_batch(tiny)
+
+
+def _row_mean(lp: torch.Tensor, batch: TrainBatch, positive: bool) -> float:
+    rows = batch.advantages > 0 if positive else batch.advantages < 0
+    mask = rows[:, None] & (batch.loss_mask > 0)
+    return float(lp[mask].mean())
+
+
+def test_repeated_steps_raise_positive_advantage_logprobs(tiny: TinyVLM, batch: TrainBatch) -> None:
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, clip_eps_high=10.0, clip_eps_low=0.9))
+    before = token_logprobs(model, fixed).detach()
+    metrics = [trainer.step(fixed) for _ in range(6)]
+    with torch.no_grad():
+        after = token_logprobs(model, fixed)
+    gain_pos = _row_mean(after, fixed, True) - _row_mean(before, fixed, True)
+    gain_neg = _row_mean(after, fixed, False) - _row_mean(before, fixed, False)
+    assert gain_pos > 0.2, (gain_pos, gain_neg)
+    assert gain_neg < gain_pos - 0.4
+    assert metrics[0].mean_ratio == pytest.approx(1.0, abs=1e-5)  # logprobs reproduce: on-policy at step 0
+    assert abs(metrics[0].loss) < 1e-5  # group-normalised advantages sum to zero at ratio 1
+    assert metrics[-1].loss < metrics[0].loss
+    assert all(m.num_loss_tokens == int(fixed.loss_mask.sum()) == 32 for m in metrics)
+    assert metrics[0].mean_reward == pytest.approx(0.5)
+    assert metrics[0].grad_norm > 0
+
+
+def test_untrained_tokens_do_not_move_the_loss(tiny: TinyVLM, batch: TrainBatch) -> None:
+    """Prompt / image / padding positions are outside the loss: their stored logprobs are irrelevant."""
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    noisy = replace(fixed, logprobs=fixed.logprobs + (1 - fixed.loss_mask) * 5.0)
+    a = GRPOTrainer(model, GRPOConfig()).compute_gradients(fixed)
+    b = GRPOTrainer(model, GRPOConfig()).compute_gradients(noisy)
+    assert a.loss_sum == pytest.approx(b.loss_sum, abs=1e-7)
+    assert all(torch.equal(x, y) for x, y in zip(a.grads, b.grads, strict=True))
+
+
+def test_micro_batches_sum_to_the_full_batch_gradient(tiny: TinyVLM, batch: TrainBatch) -> None:
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    whole = GRPOTrainer(model, GRPOConfig(micro_batch_max_tokens=10_000)).compute_gradients(fixed)
+    split = GRPOTrainer(model, GRPOConfig(micro_batch_max_tokens=40)).compute_gradients(fixed)
+    for x, y in zip(whole.grads, split.grads, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-4)
+
+
+def test_teacher_forced_logprobs_match_a_single_row_forward(tiny: TinyVLM, batch: TrainBatch) -> None:
+    """Batching rows with right padding and their images together gives each row's own logprobs."""
+    model = tiny_policy(0)
+    with torch.no_grad():
+        together = token_logprobs(model, batch)
+        for i in (0, 5):
+            alone = token_logprobs(model, batch.select([i]).trim())
+            n = alone.shape[1]
+            torch.testing.assert_close(together[i, :n], alone[0], atol=1e-5, rtol=1e-5)
+
+
+def test_clipped_loss_stops_pushing_past_the_trust_region() -> None:
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.0, 0.5, -0.5], [0.0, 0.5, -0.5]], requires_grad=True)
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 1.0]])
+    loss, stats = grpo_token_loss(new, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+    (grad,) = torch.autograd.grad(loss, new)
+    # A > 0, ratio e^0.5 > 1.2: clipped, no gradient; A > 0, ratio e^-0.5: unclipped, pushed up
+    assert grad[0, 1] == 0 and grad[0, 2] < 0
+    # A < 0, ratio e^0.5: unclipped, pushed down; A < 0, ratio e^-0.5 < 0.8: clipped, no gradient
+    assert grad[1, 1] > 0 and grad[1, 2] == 0
+    assert grad[:, 0].abs().sum() == 0  # masked prompt token
+    assert stats["clipped"] == 2
+
+
+def test_empty_loss_mask_is_a_no_op_step(tiny: TinyVLM, batch: TrainBatch) -> None:
+    model = tiny_policy(0)
+    masked = replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
+    res = GRPOTrainer(model, GRPOConfig()).compute_gradients(masked)
+    assert res.loss_tokens == 0 and all(float(g.abs().sum()) == 0 for g in res.grads)
+
+
+def test_regression_generated_placeholder_is_a_clear_error_not_a_vlm_crash(
+    tiny: TinyVLM, batch: TrainBatch
+) -> None:
+    """A sampled ``<|image_pad|>`` used to surface as transformers' "Image features and image tokens
+    do not match"; the trainer now names the problem and the rows."""
+    ids = batch.input_ids.clone()
+    ids[2, int(batch.lengths[2]) - 2] = tiny.image_token_id
+    with pytest.raises(TrajectoryError, match=r"33 image placeholder tokens but its images give 32"):
+        token_logprobs(tiny_policy(0), replace(batch, input_ids=ids))
+
+
+def test_a_stray_video_placeholder_without_videos_is_plain_text(tiny: TinyVLM, batch: TrainBatch) -> None:
+    ids = batch.input_ids.clone()
+    ids[1, int(batch.lengths[1]) - 2] = tiny.video_token_id
+    with torch.no_grad():
+        lp = token_logprobs(tiny_policy(0), replace(batch, input_ids=ids))
+    assert bool(torch.isfinite(lp).all())

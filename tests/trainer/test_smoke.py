@@ -1,0 +1,95 @@
+"""The one-command launcher: everything on loopback, numbers printed, every server stopped."""
+
+from __future__ import annotations
+
+import io
+import re
+import socket
+from pathlib import Path
+
+import pytest
+
+from gymbridge.errors import ConfigError
+from gymbridge.trainer import smoke
+from gymbridge.trainer.smoke import SmokeConfig, build_config, run_smoke
+
+pytestmark = pytest.mark.integration
+
+SMALL = {"steps": 2, "prompts_per_step": 1, "group_size": 2, "max_tokens": 6, "max_turns": 1}
+
+
+def _ports(text: str) -> list[int]:
+    line = next(line for line in text.splitlines() if line.startswith("servers:"))
+    return [int(p) for p in re.findall(r"127\.0\.0\.1:(\d+)", line)]
+
+
+def _closed(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["gym_path", "native_path"])
+def test_smoke_runs_end_to_end_and_stops_its_servers(native: bool, tmp_path: Path) -> None:
+    out = io.StringIO()
+    cfg = SmokeConfig(**SMALL, native=native, work_dir=str(tmp_path))
+    result = run_smoke(cfg, out=out)
+    text = out.getvalue()
+    assert len(result.steps) == 2 and result.rollouts_ok == 4 and result.rollouts_failed == 0
+    assert re.search(r"step 2/2  reward \d\.\d{3}  loss [+-]\d\.\d{5}  tokens \d+", text), text
+    # teacher forcing in the trainer reproduces the generator's logprobs through the whole path
+    assert all(m.mean_ratio == pytest.approx(1.0, abs=1e-4) for m in result.steps)
+    assert all(m.num_loss_tokens > 0 for m in result.steps)
+    assert "rollout_to_policy" in result.payload_table and "2.00x" in result.payload_table
+    ports = _ports(text)
+    assert len(ports) == (1 if native else 3)
+    assert all(_closed(p) for p in ports)
+    assert (tmp_path / "dataset.jsonl").is_file()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl_c"])
+def test_an_error_or_ctrl_c_mid_run_still_stops_every_server(
+    error: type[BaseException], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    def explode(self: object, batch: object) -> object:
+        raise error("trainer blew up")
+
+    from gymbridge.trainer import grpo
+
+    monkeypatch.setattr(grpo.GRPOTrainer, "step", explode)
+    out = io.StringIO()
+    with pytest.raises(error, match="blew up"):
+        run_smoke(SmokeConfig(**SMALL, work_dir=str(tmp_path)), out=out)
+    ports = _ports(out.getvalue())
+    assert len(ports) == 3 and all(_closed(p) for p in ports)
+
+
+def test_cli_overrides_and_bad_values(tmp_path: Path) -> None:
+    cfg = build_config(
+        None, [("trainer.lr", 0.5), ("env_params.img_size", 140)], {"steps": 7, "native": None}
+    )
+    assert cfg.steps == 7 and cfg.trainer.lr == 0.5 and cfg.env_params["img_size"] == 140
+    assert cfg.group_size == 4  # from configs/smoke.yaml
+    with pytest.raises(ConfigError) as err:
+        build_config(None, [("group_size", 0), ("bogus", 1)], {})
+    assert any("group_size" in p for p in err.value.problems) and any(
+        "bogus" in p for p in err.value.problems
+    )
+    with pytest.raises(ConfigError, match="env_params"):
+        run_smoke(SmokeConfig(env_params={"img_size": 40}, work_dir=str(tmp_path)), out=io.StringIO())
+
+
+def test_module_entry_point_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert smoke.main(["--set", "steps=-1", "--no-progress"]) == 2
+    assert "steps" in capsys.readouterr().err
+
+
+def test_dp_without_ray_is_a_config_error_naming_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    out = io.StringIO()
+    with pytest.raises(ConfigError, match=r"gymbridge\[ray\]"):
+        run_smoke(SmokeConfig(**SMALL, dp_workers=2, work_dir=str(tmp_path)), out=out)
+    assert all(_closed(p) for p in _ports(out.getvalue()))

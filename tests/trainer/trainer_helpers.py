@@ -1,0 +1,62 @@
+"""Builders for the trainer tests: a tiny-VLM batch of image prompts with scripted completions."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import torch
+from PIL import Image
+
+from gymbridge.media import MediaItem
+from gymbridge.tensors import MediaProcessor, TrainBatch
+from gymbridge.testing.tiny_vlm import TinyVLM
+from gymbridge.trajectory.types import Trajectory, Turn
+
+TEXT = [40, 41, 42, 43]
+
+
+def image(color: tuple[int, int, int]) -> MediaItem:
+    buf = io.BytesIO()
+    img = Image.new("RGB", (56, 56), color)
+    img.putpixel((3, 5), (color[0] ^ 255, 7, 9))
+    img.save(buf, format="PNG")
+    return MediaItem.from_bytes(buf.getvalue(), "image", mime="image/png")
+
+
+def trajectory(
+    tiny: TinyVLM, media: MediaItem, gen: list[int], reward: float, task: int, rollout: int
+) -> Trajectory:
+    prompt = [tiny.im_start_token_id, *TEXT, tiny.vision_start_token_id, *[tiny.image_token_id] * 4]
+    prompt += [tiny.vision_end_token_id, 44, 45]
+    turn = Turn(
+        index=0,
+        item_index=1,
+        kind="message",
+        segment=0,
+        prompt_token_ids=prompt,
+        generation_token_ids=gen,
+        generation_logprobs=[0.0] * len(gen),
+        media=[media],
+    )
+    return Trajectory(turns=[turn], reward=reward, task_index=task, rollout_index=rollout)
+
+
+def make_batch(tiny: TinyVLM, *, groups: int = 2, group_size: int = 4) -> TrainBatch:
+    """``groups`` prompts (one image each) x ``group_size`` completions; rewards alternate 1, 0."""
+    trajs = []
+    for g in range(groups):
+        img = image((40 * g + 20, 90, 200 - 30 * g))
+        for r in range(group_size):
+            gen = [60 + (r % 2), 70 + g, 80 + r, tiny.eos_token_id]
+            trajs.append(trajectory(tiny, img, gen, reward=float(r % 2 == 0), task=g, rollout=r))
+    return TrainBatch.from_trajectories(trajs, MediaProcessor(tiny.processor), group_size=group_size)
+
+
+def with_current_logprobs(model: torch.nn.Module, batch: TrainBatch) -> TrainBatch:
+    """``batch`` whose generation logprobs are the model's own (ratio 1 at the first step)."""
+    from gymbridge.trainer import token_logprobs
+
+    with torch.no_grad():
+        lp = token_logprobs(model, batch)
+    return replace(batch, logprobs=lp * batch.loss_mask)
