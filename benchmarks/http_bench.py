@@ -67,7 +67,8 @@ async def _echo_round(url: str, n: int, concurrency: int, row: dict[str, Any]) -
     sem = asyncio.Semaphore(concurrency)
     body = orjson.dumps(row)
     connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as client:
+    deadline = aiohttp.ClientTimeout(total=60)  # every call has a deadline, the baseline too
+    async with aiohttp.ClientSession(connector=connector, timeout=deadline) as client:
 
         async def one() -> None:
             async with sem:

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "assistant_text",
+    "count_reward",
     "data_url",
     "first_call_arguments",
     "function_calls",
@@ -161,6 +162,11 @@ def _as_int(value: object) -> int | None:
     if isinstance(value, str) and re.fullmatch(r"\s*-?\d+\s*", value):
         return int(value)
     return None
+
+
+def count_reward(expected: int, answered: int | None) -> float:
+    """1.0 for the exact count, else 0.0 (no answer: 0.0). Shared by every counting environment."""
+    return 1.0 if answered is not None and answered == expected else 0.0
 
 
 def parse_int_answer(output: object, *, tool: str = "answer", arg: str = "count") -> int | None:

@@ -153,11 +153,6 @@ def generate(n: int, seed: int = 0, **params: Any) -> Iterator[dict[str, Any]]:
         yield make_row(seed, index, **params)
 
 
-def count_reward(num_beeps: int, answered: int | None) -> float:
-    """1.0 for the exact count, else 0.0 (no answer: 0.0)."""
-    return 1.0 if answered is not None and answered == num_beeps else 0.0
-
-
 def count_beeps(samples: np.ndarray, sample_rate: int, threshold: float = 0.1) -> int:
     """Count beeps in ``samples`` by envelope thresholding (a reference solver for tests)."""
     hop = max(1, sample_rate // 200)  # 5 ms frames

@@ -12,9 +12,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import parse_int_answer
+from environments._common import count_reward, parse_int_answer
 from environments._server_common import parse_task
-from environments.beep_count.data import count_reward
 from gymbridge.server import ResourcesServer, Session, VerifyResult, tool
 
 __all__ = ["BeepCountServer"]

@@ -193,8 +193,3 @@ def make_row(
 def generate(n: int, seed: int = 0, **params: Any) -> Iterator[dict[str, Any]]:
     for index in range(n):
         yield make_row(seed, index, **params)
-
-
-def count_reward(num_bounces: int, answered: int | None) -> float:
-    """1.0 for the exact count, else 0.0 (no answer: 0.0)."""
-    return 1.0 if answered is not None and answered == num_bounces else 0.0

@@ -10,9 +10,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import parse_int_answer
+from environments._common import count_reward, parse_int_answer
 from environments._server_common import parse_task
-from environments.bouncing_ball.data import count_reward
 from gymbridge.server import ResourcesServer, Session, VerifyResult, tool
 
 __all__ = ["BouncingBallServer"]

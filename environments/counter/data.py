@@ -56,8 +56,3 @@ def make_row(
 def generate(n: int, seed: int = 0, **params: Any) -> Iterator[dict[str, Any]]:
     for index in range(n):
         yield make_row(seed, index, **params)
-
-
-def count_reward(expected_count: int, final_count: int | None) -> float:
-    """1.0 when the session's counter ends at ``expected_count`` (no session: 0.0)."""
-    return 1.0 if final_count is not None and final_count == expected_count else 0.0

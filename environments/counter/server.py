@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from environments._common import count_reward
 from environments._server_common import parse_task
-from environments.counter.data import count_reward
 from gymbridge.server import ResourcesServer, Session, VerifyResult, tool
 
 __all__ = ["CounterServer"]

@@ -15,7 +15,7 @@ Invariants:
   (tenacity) and only for infrastructure faults: transport errors, 5xx, 408,
   429. Other 4xx and malformed results are ``data`` failures, never retried;
 * httpx exceptions are mapped to gymbridge errors in one place
-  (:meth:`GymClient._post_run`); nothing else sees them;
+  (:func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
   ``responses_create_params`` (genuine servers answer 422 to unknown keys).
 """
@@ -23,9 +23,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sized
+from collections.abc import AsyncIterator, Iterable, Iterator, Sized
 from pathlib import Path
 from typing import IO, Any
 
@@ -67,6 +68,25 @@ def _classify(exc: BaseException) -> FailureKind:
     if isinstance(exc, (EnvTransportError,)) or (isinstance(exc, EnvServerError) and exc.retryable):
         return "infra"
     return "data"
+
+
+@contextlib.contextmanager
+def _map_httpx_errors(url: str, timeout_s: float) -> Iterator[None]:
+    """The one place httpx exceptions become gymbridge errors.
+
+    No connection yet (connect or pool timeout: the server is down or saturated)
+    is a transport error (infrastructure, retried); a timeout after that is the
+    deadline passing (``timeout``); any other transport failure (refused, reset,
+    closed mid-body) is a transport error.
+    """
+    try:
+        yield
+    except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: could not connect", server=url) from exc
+    except httpx.TimeoutException as exc:
+        raise EnvTimeoutError(f"{url}: no answer within {timeout_s:.3g}s", server=url) from exc
+    except httpx.TransportError as exc:
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
 
 
 class GymClient:
@@ -136,12 +156,9 @@ class GymClient:
         async with self._discover_lock:
             if self._agents is None:
                 url = f"{self.head_url}/global_config_dict_yaml"
-                try:
-                    reply = await self._http.get(url, timeout=self.connect_timeout_s * 3)
-                except httpx.TimeoutException as exc:
-                    raise EnvTimeoutError(f"{url}: head server did not answer", server=url) from exc
-                except httpx.TransportError as exc:
-                    raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
+                timeout_s = self.connect_timeout_s * 3
+                with _map_httpx_errors(url, timeout_s):
+                    reply = await self._http.get(url, timeout=timeout_s)
                 if reply.status_code != 200:
                     raise EnvServerError(
                         f"{url} answered HTTP {reply.status_code}",
@@ -182,24 +199,15 @@ class GymClient:
     async def _post_run(
         self, url: str, row: dict[str, Any], timeout_s: float, shard: int = 0
     ) -> dict[str, Any]:
-        """One attempt; the only place httpx exceptions become gymbridge errors."""
+        """One attempt: POST the row, check the result's shape."""
         endpoint = f"{url}/run"
-        try:
+        with _map_httpx_errors(endpoint, timeout_s):
             reply = await self._pool[shard % len(self._pool)].post(
                 endpoint,
                 content=orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY),
                 headers={"Content-Type": "application/json"},
                 timeout=httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s)),
             )
-        except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            # no connection yet: the agent is down or saturated (infrastructure, worth retrying)
-            raise EnvTransportError(
-                f"{endpoint}: {type(exc).__name__}: could not connect", server=endpoint
-            ) from exc
-        except httpx.TimeoutException as exc:
-            raise EnvTimeoutError(f"{endpoint}: no answer within {timeout_s:.3g}s", server=endpoint) from exc
-        except httpx.TransportError as exc:
-            raise EnvTransportError(f"{endpoint}: {type(exc).__name__}: {exc}", server=endpoint) from exc
         if not 200 <= reply.status_code < 300:
             raise EnvServerError(
                 f"{endpoint} answered HTTP {reply.status_code}: {reply.text[:300]}",

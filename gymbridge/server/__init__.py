@@ -2,13 +2,14 @@
 
 Public API (stable): :class:`ResourcesServer` with :func:`tool`, :class:`VerifyResult`,
 :class:`Observation`, :class:`StepResult`, :class:`ToolOutput` and the content-part
-helpers; :class:`SimpleAgent`; :func:`serve` (blocking) and :func:`start_server`
-(in-loop, for tests); :func:`check_env`. See ``docs/http.md``.
+helpers; :class:`SimpleAgent` and :func:`rollout_id_from_row` (stock Gym's rollout id);
+:func:`serve` (blocking) and :func:`start_server` (in-loop, for tests); :func:`check_env`.
+See ``docs/http.md``.
 """
 
 from __future__ import annotations
 
-from gymbridge.server._agent import SimpleAgent
+from gymbridge.server._agent import SimpleAgent, rollout_id_from_row
 from gymbridge.server._base import (
     GymServer,
     HttpError,
@@ -49,6 +50,7 @@ __all__ = [
     "free_port",
     "image_part",
     "media_part",
+    "rollout_id_from_row",
     "serve",
     "start_server",
     "tool",

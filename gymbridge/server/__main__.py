@@ -4,7 +4,7 @@ Lets genuine NeMo Gym clients (or gymbridge's) drive a resources server and a mo
 server through our agent from another process::
 
     python -m gymbridge.server agent --resources-url http://127.0.0.1:8001 \\
-        --model-url http://127.0.0.1:8002 --port 8003 [--gymnasium] [--max-steps 8]
+        --model-url http://127.0.0.1:8002 --port 8003 [--gymnasium] [--max-steps 8] [--rollout-prefix]
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     agent.add_argument("--tool-timeout-s", type=float, default=120.0)
     agent.add_argument("--env-timeout-s", type=float, default=120.0)
     agent.add_argument("--tool-media", choices=["user_message", "output"], default="user_message")
+    agent.add_argument(
+        "--rollout-prefix",
+        action="store_true",
+        help="send /ng-rollout/<id> (from the row's _ng_* keys) on every outbound call, as stock Gym "
+        "does with observability on",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = SimpleAgent(
@@ -44,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         env_timeout_s=args.env_timeout_s,
         tool_media=args.tool_media,
         instance_name=args.name,
+        rollout_prefix=args.rollout_prefix,
     )
     serve(server, host=args.host, port=args.port)
 

@@ -33,7 +33,8 @@ Behaviour (stock Gym parity, with its known faults fixed):
   ``.../training-token-capture/``) runs the model -> tools loop alone on a
   ``responses_create_params`` body, as stock simple_agent serves it: no seed,
   no verify; the request's cookies go to the resources server and the
-  resources' and model's cookies come back as ``Set-Cookie``;
+  resources' and model's cookies come back as ``Set-Cookie``. In gymnasium
+  mode it is one model call, as stock gymnasium_agent serves it;
 * rollout correlation (stock ``/ng-rollout/<id>`` semantics): a rollout id
   arriving in the path prefix of ``/run`` or ``/v1/responses`` is carried to
   every outbound model and resources call as the same prefix (the
@@ -61,7 +62,7 @@ import aiohttp
 from aiohttp import web
 
 from gymbridge.errors import EnvError, EnvServerError, EnvTimeoutError, ProtocolError
-from gymbridge.server._base import GymServer, HttpError, RequestContext, json_response
+from gymbridge.server._base import ROLLOUT_ID, GymServer, HttpError, RequestContext, json_response
 from gymbridge.server._http import Reply, make_client_session, post_json
 from gymbridge.server._tools import PARTS_HEADER
 
@@ -70,8 +71,6 @@ __all__ = ["SimpleAgent", "rollout_id_from_row"]
 logger = logging.getLogger(__name__)
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-"""Stock Gym's rollout-id pattern (a path segment and a file-name component)."""
 TOKEN_CAPTURE_SEGMENT = "/training-token-capture"
 
 
@@ -219,14 +218,21 @@ class SimpleAgent(GymServer):
         return json_response(result)
 
     async def _responses_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
-        """Stock ``/v1/responses``: the model -> tools loop on a create-params body (no seed, no verify)."""
-        if self.gymnasium:
-            raise HttpError(404, {"detail": "Not Found"})
+        """Stock ``/v1/responses``: the model -> tools loop on a create-params body (no seed, no verify).
+
+        Gymnasium mode answers as stock ``gymnasium_agent`` does: one model call,
+        the caller's cookies forwarded to the model server.
+        """
         rcp = await ctx.json_object()
-        resources_cookies = {k: v for k, v in ctx.request.cookies.items() if k != self.cookie_name}
+        caller_cookies = {k: v for k, v in ctx.request.cookies.items() if k != self.cookie_name}
+        resources_cookies = {} if self.gymnasium else caller_cookies
         route = _Route(ctx.rollout_id, token_capture=ctx.path.startswith(TOKEN_CAPTURE_SEGMENT))
         try:
-            response, model_cookies = await self._episode(rcp, resources_cookies, route)
+            if self.gymnasium:
+                model_cookies = dict(caller_cookies)
+                response = await self._model(rcp, _as_items(rcp.get("input")), model_cookies, route)
+            else:
+                response, model_cookies = await self._episode(rcp, resources_cookies, route)
         except _UpstreamFailure as exc:
             logger.warning("%s: /v1/responses failed: %s", self.cookie_name, exc.message)
             return json_response(exc.message, status=exc.status)
@@ -249,7 +255,10 @@ class SimpleAgent(GymServer):
 
     async def _aggregate_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
         body = await ctx.json_object()
-        reply = await self._call(f"{self.resources_url}/aggregate_metrics", body, self.env_timeout_s, {})
+        try:
+            reply = await self._call(f"{self.resources_url}/aggregate_metrics", body, self.env_timeout_s, {})
+        except _UpstreamFailure as exc:
+            return json_response(exc.message, status=exc.status)
         return web.Response(body=reply.body, status=reply.status, content_type="application/json")
 
     # --------------------------------------------------------------- calls
@@ -409,7 +418,8 @@ class SimpleAgent(GymServer):
         env_cookies.update(reset.cookies)
         if not isinstance(reset_data, dict):
             raise _UpstreamFailure(500, f"Received an invalid reset response: {reset.text[:2000]}")
-        supports_close = (reset_data.get("info") or {}).get("supports_explicit_close") is True
+        reset_info = reset_data.get("info")
+        supports_close = isinstance(reset_info, dict) and reset_info.get("supports_explicit_close") is True
         base_input = _as_items(rcp.get("input"))
         first = _observation_message(reset_data)
         if first is not None:
@@ -445,7 +455,11 @@ class SimpleAgent(GymServer):
                 if step_data.get("terminated") or step_data.get("truncated"):
                     finished = True
                     break
-                for tool_output in (step_data.get("info") or {}).get("tool_outputs", []) or []:
+                info = step_data.get("info")
+                tool_outputs = info.get("tool_outputs") if isinstance(info, dict) else None
+                for tool_output in tool_outputs if isinstance(tool_outputs, list) else []:
+                    if not isinstance(tool_output, dict):
+                        continue
                     outputs.append(
                         {
                             "type": "function_call_output",

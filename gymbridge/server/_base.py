@@ -53,7 +53,9 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """Request body cap: verify payloads carry every turn's images as data URLs."""
 
-ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/(?P<rollout_id>[A-Za-z0-9][A-Za-z0-9._-]*)(?P<rest>/.*)?$")
+ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+"""Stock Gym's rollout-id pattern (a path segment and a file-name component)."""
+ROLLOUT_PREFIX = re.compile(rf"^/ng-rollout/(?P<rollout_id>{ROLLOUT_ID.pattern.strip('^$')})(?P<rest>/.*)?$")
 HEALTH_PATHS = ("/", "/livez", "/healthz", "/readyz", "/health")
 
 

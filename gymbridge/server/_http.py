@@ -1,10 +1,12 @@
 """Outbound HTTP for servers (the agent): one aiohttp boundary, deadlines, error mapping.
 
-Every call goes through :func:`post_json`, which is the only place aiohttp
-exceptions are turned into gymbridge errors:
+Every call goes through :func:`post_json` / :func:`get`, the only place
+aiohttp exceptions are turned into gymbridge errors:
 
 * the deadline (``timeout_s``, covering connect + send + the whole body) passing
-  -> :class:`~gymbridge.errors.EnvTimeoutError`;
+  -> :class:`~gymbridge.errors.EnvTimeoutError`. ``timeout_s`` is the only
+  deadline: aiohttp's own default (5 min total, 30 s socket connect) is switched
+  off per request, so a 600 s model deadline really is 600 s;
 * refused / reset / closed mid-body / invalid HTTP -> :class:`~gymbridge.errors.EnvTransportError`.
 
 A non-2xx status is *not* raised here: callers decide (a tool's 422 is a
@@ -27,6 +29,9 @@ import orjson
 from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, ProtocolError
 
 __all__ = ["Reply", "cookie_header", "get", "make_client_session", "post_json"]
+
+NO_LIBRARY_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=None)
+"""aiohttp's own timeouts off: each call's ``timeout_s`` (``asyncio.timeout``) is its one deadline."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ def make_client_session(max_connections: int = 1024) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, limit_per_host=0, force_close=False),
         cookie_jar=aiohttp.DummyCookieJar(),
+        timeout=NO_LIBRARY_TIMEOUT,
         json_serialize=lambda obj: orjson.dumps(obj).decode(),
     )
 
@@ -113,7 +119,9 @@ async def _request(
 ) -> Reply:
     try:
         async with asyncio.timeout(timeout_s):
-            async with client.request(method, url, data=data, headers=headers) as resp:
+            async with client.request(
+                method, url, data=data, headers=headers, timeout=NO_LIBRARY_TIMEOUT
+            ) as resp:
                 body = await resp.read()
                 set_cookies = {name: morsel.value for name, morsel in resp.cookies.items()}
                 return Reply(

@@ -15,19 +15,18 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gymbridge.server import RunningServer, SimpleAgent, start_server
-from gymbridge.server._agent import rollout_id_from_row
+from gymbridge.server import GymServer, RunningServer, SimpleAgent, rollout_id_from_row, start_server
 from gymbridge.server.examples import CounterEnv, StepCounterEnv, counter_rows, step_counter_rows
 from gymbridge.testing.scripted_model import ScriptedModelServer
 
 SCRIPT = [{"calls": [{"name": "increment", "arguments": {"amount": 1}}]}, "done"]
 
 
-class RecordingCounterEnv(CounterEnv):
-    """CounterEnv that remembers every request path exactly as it arrived."""
+class RecordingMixin(GymServer):
+    """Remembers every request path exactly as it arrived (prefix included)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self.paths: list[str] = []
 
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
@@ -35,14 +34,12 @@ class RecordingCounterEnv(CounterEnv):
         return await super()._dispatch(request)
 
 
-class RecordingStepEnv(StepCounterEnv):
-    def __init__(self) -> None:
-        super().__init__()
-        self.paths: list[str] = []
+class RecordingCounterEnv(RecordingMixin, CounterEnv):
+    pass
 
-    async def _dispatch(self, request: web.Request) -> web.StreamResponse:
-        self.paths.append(request.path)
-        return await super()._dispatch(request)
+
+class RecordingStepEnv(RecordingMixin, StepCounterEnv):
+    pass
 
 
 class Stack:
@@ -177,3 +174,14 @@ async def test_v1_responses_prefixed_and_token_capture_paths() -> None:
         # a malformed body is a 4xx with a JSON error, not a crash
         status, body, _ = await post(s.agent.url + "/v1/responses", [1, 2])
         assert status == 422 and "detail" in body
+
+
+async def test_gymnasium_v1_responses_is_one_model_call_like_stock_gymnasium_agent() -> None:
+    env = RecordingStepEnv()
+    async for s in stack(env, ["<action>inc</action>"], gymnasium=True):
+        rcp = step_counter_rows(1)[0]["responses_create_params"]
+        status, response, set_cookies = await post(s.agent.url + "/v1/responses", rcp)
+        assert status == 200, response
+        assert [o["type"] for o in response["output"]] == ["message"]
+        assert s.model.num_calls == 1 and env.paths == []  # the environment is not touched
+        assert s.model.cookie_name in set_cookies

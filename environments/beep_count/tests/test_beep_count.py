@@ -12,9 +12,9 @@ import soundfile as sf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from environments._common import parse_int_answer
+from environments._common import count_reward, parse_int_answer
 from environments._testing import call, message, response, running
-from environments.beep_count.data import count_beeps, count_reward, generate, make_row
+from environments.beep_count.data import count_beeps, generate, make_row
 from environments.beep_count.server import BeepCountServer
 from gymbridge.server import check_env
 

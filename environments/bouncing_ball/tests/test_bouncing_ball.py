@@ -13,9 +13,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from environments._common import count_reward
 from environments._testing import call, message, response, running
 from environments.bouncing_ball.data import (
-    count_reward,
     encode_mp4,
     generate,
     make_row,

@@ -9,8 +9,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from environments._common import count_reward
 from environments._testing import message, response, running
-from environments.counter.data import count_reward, generate, make_row
+from environments.counter.data import generate, make_row
 from environments.counter.server import CounterServer
 from gymbridge.server import check_env
 
