@@ -7,8 +7,14 @@ Three jobs, one class (:class:`ChatCodec`) per tokenizer / processor:
    (:func:`chat_to_messages`) — into :class:`ChatMessage` s. Media parts become
    :class:`~gymbridge.media.MediaItem` s through ``load_media`` under the caller's
    ``MediaPolicy`` (refused or broken media raise ``MediaError`` here, before any
-   model work). Replayed token fields (``prompt_token_ids`` +
-   ``generation_token_ids``) stay on the assistant message they came with.
+   model work). *Which* part or tool output holds media, and of which modality, is
+   decided by :mod:`gymbridge.protocol` (``media_ref_of_part``,
+   ``media_refs_of_tool_output``) — the same rules the trajectory layer indexes
+   media with — so a medium is never rendered into the prompt as base64 text while
+   the trajectory counts it as media. A codec whose processor takes images only
+   refuses other modalities with ``ProtocolError`` when it renders. Replayed token
+   fields (``prompt_token_ids`` + ``generation_token_ids``) stay on the assistant
+   message they came with.
 2. **Render** (:meth:`ChatCodec.render`) the conversation with the tokenizer's chat
    template (tools included) into prompt token ids with every media placeholder
    expanded, plus all media in order. *Prefix splice*: when an assistant message
@@ -43,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ProtocolError
+from gymbridge.protocol import media_ref_of_part, media_refs_of_tool_output
 
 if TYPE_CHECKING:
     from gymbridge.media import MediaItem, MediaPolicy
@@ -138,16 +145,15 @@ def _load(source: str, modality: Literal["image", "audio", "video"], policy: Med
     return load_media(source, modality, policy)
 
 
-def _url_of(value: Any, what: str) -> str:
-    if isinstance(value, Mapping):
-        value = value.get("url")
-    if not isinstance(value, str) or not value:
-        raise ProtocolError(f"{what} needs a non-empty URL string")
-    return value
+_TEXT_PART_TYPES: frozenset[str] = frozenset({"text", "input_text", "output_text"})
 
 
 def _parts_from_content(content: Any, policy: MediaPolicy | None, where: str) -> list[str | MediaItem]:
-    """Text and media parts of a message ``content`` (a string, ``None`` or a list of parts)."""
+    """Text and media parts of a message ``content`` (a string, ``None`` or a list of parts).
+
+    Text parts are kept as strings; every other part must be a media part by
+    :func:`gymbridge.protocol.media_ref_of_part` (else ``ProtocolError``).
+    """
     if content is None:
         return []
     if isinstance(content, str):
@@ -161,28 +167,33 @@ def _parts_from_content(content: Any, policy: MediaPolicy | None, where: str) ->
         if not isinstance(part, Mapping):
             raise ProtocolError(f"{where}: content part {i} must be an object")
         kind = part.get("type")
-        if kind in ("text", "input_text", "output_text"):
+        if kind in _TEXT_PART_TYPES:
             text = part.get("text")
             if not isinstance(text, str):
                 raise ProtocolError(f"{where}: content part {i} ({kind}) needs a string 'text'")
             parts.append(text)
-        elif kind in ("image_url", "input_image"):
-            parts.append(_load(_url_of(part.get("image_url"), f"{where} part {i}"), "image", policy))
-        elif kind in ("video_url", "input_video"):
-            parts.append(
-                _load(_url_of(part.get("video_url", part.get("video")), f"{where} part {i}"), "video", policy)
-            )
-        elif kind in ("audio_url", "input_audio"):
-            raw = part.get("audio_url", part.get("input_audio", part.get("audio")))
-            if isinstance(raw, Mapping) and "data" in raw:
-                fmt = raw.get("format", "wav")
-                raw = f"data:audio/{fmt};base64,{raw['data']}"
-            parts.append(_load(_url_of(raw, f"{where} part {i}"), "audio", policy))
-        elif kind == "refusal":
+            continue
+        if kind == "refusal":
             parts.append(str(part.get("refusal", "")))
-        else:
+            continue
+        try:
+            ref = media_ref_of_part(part)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{where}: content part {i}: {exc}") from exc
+        if ref is None:
             raise ProtocolError(f"{where}: unsupported content part type {kind!r}")
+        source, modality = ref
+        parts.append(_load(source, modality, policy))
     return parts
+
+
+def _parts_from_tool_output(output: Any, policy: MediaPolicy | None, where: str) -> list[str | MediaItem]:
+    """A ``function_call_output.output``: a media data URL (image, audio or video), text, or parts."""
+    if isinstance(output, str):
+        refs = list(media_refs_of_tool_output(output))
+        if refs:
+            return [_load(source, modality, policy) for source, modality in refs]
+    return _parts_from_content(output, policy, where)
 
 
 def _token_prefix(obj: Mapping[str, Any], where: str) -> list[int] | None:
@@ -297,12 +308,7 @@ def responses_to_messages(
             )
         elif kind == "function_call_output":
             pending = None
-            output = item.get("output")
-            parts: list[str | MediaItem]
-            if isinstance(output, str) and output.startswith("data:image/"):
-                parts = [_load(output, "image", policy)]
-            else:
-                parts = _parts_from_content(output, policy, where)
+            parts = _parts_from_tool_output(item.get("output"), policy, where)
             out.append(ChatMessage(role="tool", parts=parts, tool_call_id=item.get("call_id")))
             continue
         elif kind == "message":
@@ -452,9 +458,15 @@ class ChatCodec:
         """
         if not media:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-        images = [(decode or _decode_image)(m) for m in media if m.modality == "image"]
-        if len(images) != len(media):
-            raise ProtocolError("only image media can be expanded by this codec's processor")
+        other = [m for m in media if m.modality != "image"]
+        if other:
+            kinds = sorted({m.modality for m in other})
+            raise ProtocolError(
+                f"only image media can be expanded by this codec's processor; the conversation holds "
+                f"{len(other)} {'/'.join(kinds)} item(s) (first: {other[0].short_source!r}): "
+                "serve this model with a backend whose processor takes them"
+            )
+        images = [(decode or _decode_image)(m) for m in media]
         if self.processor is self.tokenizer:
             raise ProtocolError("this model has no processor for media: it cannot take images")
         try:

@@ -298,7 +298,7 @@ class MediaItem:
         source: str | None = state["source"]
         ref: MediaRef | None
         if state["data_ref"]:
-            ref = DataRef(mime=state["declared_mime"], is_base64=True, payload="")
+            ref = DataRef(mime=state["declared_mime"], is_base64=True, url="", payload_offset=0)
         elif state["raw"] is None and source is not None:
             ref = parse_ref(source)
         else:

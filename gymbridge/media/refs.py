@@ -8,10 +8,19 @@ A reference is one of
 
 Anything else (``ftp:``, ``javascript:``, ``gopher:`` …) is refused with
 :class:`~gymbridge.errors.MediaPolicyError`. Parsing is pure: no filesystem,
-network or decoding work happens here. Every error message names the source
-shortened by :func:`shorten` (a data URL: its first 60 characters plus the total
-length; a long path or URL: its head and tail, so the file name shows), so a
-multi-megabyte data URL never floods a log.
+network or decoding work happens here.
+
+Parsing a data URL costs O(header), not O(payload): only ``data:<mime>;…,`` (at
+most :data:`MAX_DATA_HEADER_CHARS` characters) is read; the payload is neither
+scanned nor copied — :class:`DataRef` keeps the URL and the payload's offset, the
+size cap is checked from the payload's length, and the payload is validated (NUL
+characters, the base64 alphabet, padding) only when its bytes are decoded by
+:func:`decode_data_payload`, with the same error types and messages as a parse-time
+refusal.
+
+Every error message names the source shortened by :func:`shorten` (a data URL: its
+first 60 characters plus the total length; a long path or URL: its head and tail,
+so the file name shows), so a multi-megabyte data URL never floods a log.
 """
 
 from __future__ import annotations
@@ -19,12 +28,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import unquote, unquote_to_bytes, urlsplit
 
 from gymbridge.errors import MediaDecodeError, MediaPolicyError
 
 __all__ = [
+    "MAX_DATA_HEADER_CHARS",
     "DataRef",
     "FileRef",
     "HttpRef",
@@ -38,6 +48,9 @@ __all__ = [
 ]
 
 SHORT_LEN = 60
+#: The longest ``data:<mime>;<params>,`` header accepted (a longer one is refused as malformed);
+#: bounds the work :func:`parse_ref` does on a data URL whatever its size.
+MAX_DATA_HEADER_CHARS = 1024
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
@@ -57,11 +70,26 @@ def shorten(source: str, limit: int = SHORT_LEN) -> str:
 
 @dataclass(frozen=True, slots=True)
 class DataRef:
-    """A ``data:`` URL. ``payload`` is the text after the first comma."""
+    """A ``data:`` URL parsed by its header: ``url[payload_offset:]`` is the payload (after the first comma).
+
+    The payload is not copied out of ``url`` (a screenshot's data URL is megabytes);
+    :attr:`payload_len` is free, :attr:`payload` slices on each access.
+    """
 
     mime: str | None
     is_base64: bool
-    payload: str
+    url: str = field(repr=False)
+    payload_offset: int
+
+    @property
+    def payload_len(self) -> int:
+        """Characters in the payload (no copy)."""
+        return len(self.url) - self.payload_offset
+
+    @property
+    def payload(self) -> str:
+        """The text after the first comma (a copy: call it when decoding, not when parsing)."""
+        return self.url[self.payload_offset :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,14 +119,15 @@ def parse_ref(source: str) -> MediaRef:
     short = shorten(source)
     if not source:
         raise MediaPolicyError("empty media reference ''", source=short)
+    if source[:5].lower() == "data:":
+        # header only: a NUL in the payload is refused by decode_data_payload when the bytes load
+        return _parse_data(source, short)
     if "\x00" in source:
-        raise MediaPolicyError(f"media reference {short!r} contains a NUL character", source=short)
+        raise _nul_error(short)
     match = _SCHEME.match(source)
     if match is None or len(match.group(1)) == 1:  # no scheme, or a Windows drive letter
         return FileRef(path=source)
     scheme = match.group(1).lower()
-    if scheme == "data":
-        return _parse_data(source, short)
     if scheme == "file":
         return _parse_file(source, short)
     if scheme in ("http", "https"):
@@ -109,14 +138,28 @@ def parse_ref(source: str) -> MediaRef:
     )
 
 
+def _nul_error(short: str) -> MediaPolicyError:
+    return MediaPolicyError(f"media reference {short!r} contains a NUL character", source=short)
+
+
 def _parse_data(source: str, short: str) -> DataRef:
-    comma = source.find(",")
+    """Parse ``data:<mime>;<params>,`` — O(header): the payload is neither scanned nor copied."""
+    comma = source.find(",", 5, 5 + MAX_DATA_HEADER_CHARS)
     if comma < 0:
-        raise MediaDecodeError(f"malformed data URL {short!r}: no ',' before the payload", source=short)
-    params = [p.strip() for p in source[5:comma].split(";")]
+        if len(source) <= 5 + MAX_DATA_HEADER_CHARS:
+            reason = "no ',' before the payload"
+        else:
+            reason = f"no ',' before the payload within its first {MAX_DATA_HEADER_CHARS} characters"
+        if "\x00" in source[: 5 + MAX_DATA_HEADER_CHARS]:
+            raise _nul_error(short)
+        raise MediaDecodeError(f"malformed data URL {short!r}: {reason}", source=short)
+    header = source[5:comma]
+    if "\x00" in header:
+        raise _nul_error(short)
+    params = [p.strip() for p in header.split(";")]
     is_base64 = bool(params) and params[-1].lower() == "base64"
     mime = params[0].lower() if params and "/" in params[0] else None
-    return DataRef(mime=mime, is_base64=is_base64, payload=source[comma + 1 :])
+    return DataRef(mime=mime, is_base64=is_base64, url=source, payload_offset=comma + 1)
 
 
 def _parse_file(source: str, short: str) -> FileRef:
@@ -180,7 +223,8 @@ def check_data_size(ref: DataRef, *, max_bytes: int, source: str) -> None:
     (the exact size is checked after decoding). Percent-encoding: at least one byte
     per three characters.
     """
-    estimate = len(ref.payload) * 3 // 4 if ref.is_base64 else len(ref.payload) // 3
+    n = ref.payload_len
+    estimate = n * 3 // 4 if ref.is_base64 else n // 3
     if estimate > max_bytes * 1.05 + 3:
         short = shorten(source)
         raise MediaPolicyError(
@@ -192,19 +236,29 @@ def check_data_size(ref: DataRef, *, max_bytes: int, source: str) -> None:
 def decode_data_payload(ref: DataRef, *, max_bytes: int, source: str) -> bytes:
     """The bytes of a data URL, refusing oversize payloads *before* decoding them.
 
-    Base64 is decoded strictly (standard or URL-safe alphabet, ASCII whitespace
-    ignored, missing ``=`` padding tolerated); anything else raises
-    ``MediaDecodeError``. Non-base64 payloads are percent-decoded.
+    This is where the payload is first read: a NUL character anywhere in it raises
+    ``MediaPolicyError`` (as :func:`parse_ref` does for other references). Base64 is
+    decoded strictly (standard or URL-safe alphabet, ASCII whitespace ignored,
+    missing ``=`` padding tolerated); anything else raises ``MediaDecodeError``.
+    Non-base64 payloads are percent-decoded.
     """
     short = shorten(source)
     check_data_size(ref, max_bytes=max_bytes, source=source)
+    payload = ref.payload
     if not ref.is_base64:
-        raw = unquote_to_bytes(ref.payload)
+        if "\x00" in payload:
+            raise _nul_error(short)
+        raw = unquote_to_bytes(payload)
     else:
         try:
-            text = ref.payload.encode("ascii")
+            text = payload.encode("ascii")
         except UnicodeEncodeError as exc:
+            if "\x00" in payload:
+                raise _nul_error(short) from None
             raise MediaDecodeError(f"data URL {short!r}: base64 payload is not ASCII", source=short) from exc
+        del payload  # the ASCII bytes are all that is needed; free the str copy early
+        if b"\x00" in text:
+            raise _nul_error(short)
         if b"\n" in text or b"\r" in text or b" " in text or b"\t" in text:
             text = text.translate(None, delete=b"\t\n\r ")
         if b"-" in text or b"_" in text:
