@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import jsonschema
 
 from gymbridge.errors import CheckEnvError, EnvError, ProtocolError
 from gymbridge.server._http import Reply, get, make_client_session, post_json
@@ -126,10 +127,6 @@ def _schema_problems(tool: Any) -> list[str]:
             f"tool {name!r}: strict is true but the schema is not strict-mode valid "
             "(every object needs additionalProperties: false and all its properties required)"
         )
-    try:
-        import jsonschema  # type: ignore[import-untyped]  # no stubs installed; optional
-    except ImportError:  # pragma: no cover - jsonschema is present wherever ray is
-        return problems
     try:
         jsonschema.Draft202012Validator.check_schema(params)
         jsonschema.validate(example_arguments(params), params)
