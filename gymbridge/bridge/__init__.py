@@ -3,13 +3,16 @@
 Public API (stable): :class:`BridgeIterator` (sync and async iteration), :class:`BridgeStats`,
 :class:`BridgeStalledError`, the rollout sources :class:`GymRollouts` (agent ``/run``) and
 :class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`, :class:`ReplayBuffer`
-(atomic checkpoints) and :func:`write_atomic`. See ``docs/bridge.md``.
+(atomic checkpoints) and :func:`write_atomic`; toy shaping and seeds:
+:class:`TokenRateShaping` / :class:`ShapingConfig` (a ``reward_fn``),
+:func:`rollout_seed`, :class:`PromptSeededGenerator`. See ``docs/bridge.md``.
 """
 
 from __future__ import annotations
 
 from gymbridge.bridge.iterator import BridgeIterator, BridgeStalledError, BridgeStats, GroupResult, read_rows
 from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError, write_atomic
+from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
 from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord, RolloutSource, indexed_rows
 
 __all__ = [
@@ -19,11 +22,15 @@ __all__ = [
     "GroupResult",
     "GymRollouts",
     "NativeRollouts",
+    "PromptSeededGenerator",
     "ReplayBuffer",
     "ReplayCheckpointError",
     "RolloutRecord",
     "RolloutSource",
+    "ShapingConfig",
+    "TokenRateShaping",
     "indexed_rows",
     "read_rows",
+    "rollout_seed",
     "write_atomic",
 ]

@@ -23,9 +23,10 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gymbridge.bridge.shaping import rollout_seed
 from gymbridge.errors import GymbridgeError
 
 if TYPE_CHECKING:
@@ -129,6 +130,12 @@ class NativeRollouts:
     The generator is wrapped once in a :class:`~gymbridge.generation.BatchingGenerator`, so
     the model calls of concurrent rollouts share forward passes. ``episode_kwargs`` go to
     ``run_episode`` (``mode``, ``codec``, ``max_model_len``, ``tool_media``, ...).
+
+    ``seed``: every rollout samples with its own seed, :func:`~gymbridge.bridge.rollout_seed`
+    of ``(seed, task index, rollout index)``: the G rollouts of a prompt differ, a rerun draws
+    the same samples (a seeded rollout's model calls are not batched with other rollouts',
+    since a backend seeds a whole batch). The sampling settings are ``sampling`` or, as
+    ``run_episode`` reads them, the row's ``temperature`` / ``top_p`` / ``max_output_tokens``.
     """
 
     def __init__(
@@ -142,6 +149,7 @@ class NativeRollouts:
         timeout_s: float = 120.0,
         max_batch_size: int = 64,
         meter: PayloadMeter | None = None,
+        seed: int | None = None,
         **episode_kwargs: Any,
     ) -> None:
         from gymbridge.generation.batching import BatchingGenerator
@@ -152,6 +160,7 @@ class NativeRollouts:
         self.media_policy = media_policy
         self.timeout_s = timeout_s
         self.meter = meter
+        self.seed = seed
         self._owned = not isinstance(generator, BatchingGenerator)
         self.generator: Any = (
             generator if not self._owned else BatchingGenerator(generator, max_batch_size=max_batch_size)
@@ -164,13 +173,16 @@ class NativeRollouts:
         from gymbridge.rollout import run_episode
 
         started = time.monotonic()
+        sampling = self.sampling
+        if self.seed is not None:
+            sampling = self._seeded(row, rollout_seed(self.seed, task_index, index))
         try:
             result = await run_episode(
                 self.generator,
                 self.env_url,
                 row,
                 max_turns=self.max_turns,
-                sampling=self.sampling,
+                sampling=sampling,
                 media_policy=self.media_policy,
                 timeout_s=self.timeout_s,
                 **self.episode_kwargs,
@@ -187,6 +199,23 @@ class NativeRollouts:
             )
         return RolloutRecord(
             task_index, index, result=result, attempts=1, elapsed_s=time.monotonic() - started
+        )
+
+    def _seeded(self, row: Mapping[str, Any], seed: int) -> SamplingConfig:
+        from gymbridge.generation.types import SamplingConfig
+
+        if self.sampling is not None:
+            return replace(self.sampling, seed=seed)
+        rcp = row.get("responses_create_params") or {}
+        temperature = rcp.get("temperature")
+        top_p = rcp.get("top_p")
+        return SamplingConfig(
+            temperature=1.0 if temperature is None else float(temperature),
+            top_p=1.0 if top_p is None else float(top_p),
+            max_tokens=int(
+                rcp.get("max_output_tokens") or self.episode_kwargs.get("default_max_tokens") or 1024
+            ),
+            seed=seed,
         )
 
     async def rollouts(

@@ -18,7 +18,20 @@ Invariants:
   them by a teacher-forced forward pass to ~1e-6;
 * a row whose placeholder count disagrees with its images (a stale prompt, a
   missing image) is refused with ``ProtocolError`` before any model work;
-* ``seed`` seeds a forked RNG for the batch, so the global torch RNG is untouched.
+* ``seed`` seeds a forked RNG for the batch, so the global torch RNG is untouched;
+* media placeholder and vision boundary tokens (``image_token_id``, ``video_token_id``,
+  ``vision_start_token_id``, ``vision_end_token_id`` of the model config, plus any
+  ``suppress_token_ids`` given) are **never sampled**: their logits are set to ``-inf``
+  before temperature / top-p (transformers' ``SuppressTokensLogitsProcessor``). A sampled
+  ``<|image_pad|>`` would need an image feature nobody provides, so neither the trainer's
+  VLM forward nor the next turn of the episode could use the sequence. The reported
+  logprobs are those of the *masked* (renormalised) distribution actually sampled from,
+  and :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask. For a trained
+  VLM the masked tokens have probability ~0 after text, so the mask changes nothing
+  measurable; for the random tiny model they hold ~1 % of the mass (max abs logprob
+  difference vs the unmasked distribution ~1e-2), which is why the trainer applies the
+  same mask by default (``GRPOConfig.suppress_token_ids``, :func:`~gymbridge.trainer.token_logprobs`)
+  and keeps teacher-forced ratios exact.
 """
 
 from __future__ import annotations
@@ -34,12 +47,28 @@ import torch
 
 from gymbridge.errors import ProtocolError
 from gymbridge.generation.chat import ChatCodec
-from gymbridge.generation.types import FinishReason, Generation, SamplingConfig, fit_max_tokens
+from gymbridge.generation.types import (
+    FinishReason,
+    Generation,
+    SamplingConfig,
+    fit_max_tokens,
+    media_special_token_ids,
+)
 from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFGenerator"]
+__all__ = ["HFGenerator", "suppress_logits"]
+
+
+def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """A copy of ``[..., V]`` ``logits`` with ``token_ids`` set to ``-inf`` (ids >= V are ignored)."""
+    ids = [t for t in token_ids if 0 <= t < logits.shape[-1]]
+    if not ids:
+        return logits
+    out = logits.clone()
+    out[..., ids] = float("-inf")
+    return out
 
 
 class HFGenerator:
@@ -55,7 +84,9 @@ class HFGenerator:
         chat_template: str | None = None,
         reasoning_parser: bool = True,
         model_name: str = "gymbridge-hf",
+        suppress_token_ids: Sequence[int] | None = None,
     ) -> None:
+        """``suppress_token_ids``: extra ids never to sample, on top of the model's media ids."""
         self.model = model
         self.processor = processor
         self.tokenizer: Any = getattr(processor, "tokenizer", processor)
@@ -71,6 +102,10 @@ class HFGenerator:
         self.pad_token_id: int = int(pad if pad is not None else self.codec.end_of_turn_id)
         self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
         self.video_token_id: int | None = getattr(model.config, "video_token_id", None)
+        self.suppressed_token_ids: tuple[int, ...] = tuple(
+            sorted(set(media_special_token_ids(model.config)) | set(suppress_token_ids or ()))
+        )
+        """Ids never sampled (logits masked to ``-inf``); the trainer must mask the same ids."""
         self._wants_mm_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
@@ -219,6 +254,10 @@ class HFGenerator:
             "output_scores": True,
             "return_dict_in_generate": True,
         }
+        if self.suppressed_token_ids:
+            # SuppressTokensLogitsProcessor runs before the temperature / top-p warpers, and
+            # ``scores`` are the processed logits: the logprobs are of the masked distribution
+            common["suppress_tokens"] = list(self.suppressed_token_ids)
         if sampling.temperature == 0.0:
             return GenerationConfig(do_sample=False, **common)  # type: ignore[no-untyped-call]
         return GenerationConfig(  # type: ignore[no-untyped-call]
@@ -267,8 +306,8 @@ class HFGenerator:
     # ------------------------------------------------------------------ teacher forcing
 
     def processed_logprobs(self, logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-        """``[T, V]`` logits -> log-probabilities under ``sampling`` (temperature, then top-p)."""
-        logits = logits.float()
+        """``[T, V]`` logits -> log-probabilities under ``sampling`` (media mask, temperature, top-p)."""
+        logits = suppress_logits(logits.float(), self.suppressed_token_ids)
         if sampling.temperature == 0.0:
             return torch.log_softmax(logits, dim=-1)
         from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from gymbridge.errors import GymbridgeError
 from gymbridge.trajectory.types import GenerationInput
@@ -33,6 +33,7 @@ __all__ = [
     "Generation",
     "Generator",
     "SamplingConfig",
+    "media_special_token_ids",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -125,3 +126,35 @@ def fit_max_tokens(prompt_len: int, sampling: SamplingConfig, max_model_len: int
     if room <= 0:
         raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=max_model_len)
     return sampling if sampling.max_tokens <= room else sampling.with_max_tokens(room)
+
+
+def media_special_token_ids(config: Any) -> tuple[int, ...]:
+    """Sorted ids a VLM must never *generate*: its media placeholders and vision boundary tokens.
+
+    Read from the model config (``image_token_id``, ``video_token_id``, ``audio_token_id``,
+    ``vision_start_token_id``, ``vision_end_token_id``, ``vision_token_id``, their
+    ``*_token_index`` spellings, Gemma-3's ``boi`` / ``eoi`` image boundaries; on the config or
+    its ``text_config``); a text-only LM gives ``()``.
+    """
+    names = (
+        "image_token_id",
+        "video_token_id",
+        "audio_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "vision_token_id",
+        "image_token_index",
+        "video_token_index",
+        "audio_token_index",
+        "boi_token_index",
+        "eoi_token_index",
+    )
+    found: set[int] = set()
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is None:
+            continue
+        for name in names:
+            value = getattr(cfg, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                found.add(value)
+    return tuple(sorted(found))

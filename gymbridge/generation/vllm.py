@@ -16,6 +16,15 @@ Invariants:
 * :meth:`VLLMGenerator.build_request` is pure (no engine needed) and is what
   :meth:`generate` sends; :func:`generation_from_output` is the one conversion of a
   ``RequestOutput``; both are tested on CPU with a stand-in module;
+* media placeholder and vision boundary ids are never sampled: every request carries
+  ``SamplingParams.logit_bias = {id: -inf}`` for them (vLLM's documented per-request
+  token-id bias, applied as a logits processor *before* temperature / top-p, so with
+  ``processed_logprobs`` the reported logprobs are of the masked distribution, exactly
+  like :class:`~gymbridge.generation.hf.HFGenerator`'s). ``bad_words`` takes strings
+  (re-tokenised, prefix-matched) and ``allowed_token_ids`` would ship the whole
+  vocabulary with every request, so neither fits; the ids come from the engine's HF
+  config (:func:`~gymbridge.generation.types.media_special_token_ids`) plus
+  ``suppress_token_ids``;
 * weights are updated through :meth:`update_weights` (``collective_rpc`` into
   :class:`WeightSyncWorkerExtension` on every worker, then a prefix-cache reset so
   no KV computed under the old weights is reused).
@@ -30,7 +39,13 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gymbridge.errors import GymbridgeError
-from gymbridge.generation.types import FinishReason, Generation, SamplingConfig, fit_max_tokens
+from gymbridge.generation.types import (
+    FinishReason,
+    Generation,
+    SamplingConfig,
+    fit_max_tokens,
+    media_special_token_ids,
+)
 from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
@@ -123,6 +138,7 @@ class VLLMGenerator:
         processor: Any | None = None,
         load_processor: bool = True,
         reasoning_parser: bool = True,
+        suppress_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.model_name = model
         self._vllm = import_vllm()
@@ -143,6 +159,10 @@ class VLLMGenerator:
             max_model_len or getattr(getattr(engine, "model_config", None), "max_model_len", 0) or 32768
         )
         self._ids = itertools.count()
+        hf_config = getattr(getattr(engine, "model_config", None), "hf_config", None)
+        found = media_special_token_ids(hf_config) if hf_config is not None else ()
+        self.suppressed_token_ids: tuple[int, ...] = tuple(sorted(set(found) | set(suppress_token_ids or ())))
+        """Ids never sampled (``logit_bias`` -inf); the trainer must renormalise without them."""
         self.codec: Any = None
         if processor is None and load_processor:
             try:
@@ -173,6 +193,7 @@ class VLLMGenerator:
             logprobs=0,
             detokenize=False,
             skip_special_tokens=False,
+            logit_bias={t: float("-inf") for t in self.suppressed_token_ids} or None,
         )
         return prompt, params
 

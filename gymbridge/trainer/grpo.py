@@ -10,6 +10,16 @@ averaged over every loss-masked token of the batch (token-level mean; the batch'
 (reference-free GRPO); top-p is not re-applied (the ratio uses the temperature-scaled
 distribution).
 
+**Suppressed tokens.** The generator never samples media placeholder / vision boundary
+tokens (their logits are ``-inf``, see :mod:`gymbridge.generation.hf`), so the logprobs it
+reports are of that masked, renormalised distribution. :func:`token_logprobs` renormalises
+over the same vocabulary (``GRPOConfig.suppress_token_ids``; by default the same ids, read
+from the same model config with the same function, ``media_special_token_ids``):
+``new = logits[b, t-1, ids[b, t]] / T - logsumexp(masked logits[b, t-1] / T)``, so the ratio
+is exactly 1 before an update (without it, the random tiny model's ratio would be off by the
+~1 % of mass it puts on those ids; a trained VLM puts ~0 there). The value stays finite at
+prompt positions whose token *is* a placeholder (they are outside the loss mask).
+
 Invariants:
 
 * media are materialized only here, per micro-batch, right before the forward pass
@@ -27,6 +37,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +45,7 @@ import torch
 
 from gymbridge.config import StrictModel
 from gymbridge.errors import TrajectoryError
+from gymbridge.generation.types import media_special_token_ids
 
 if TYPE_CHECKING:
     from gymbridge.tensors import TrainBatch
@@ -64,6 +76,10 @@ class GRPOConfig(StrictModel):
     """The sampling temperature of the rollouts: new logprobs use the same scaled distribution."""
     micro_batch_max_tokens: int = 8192
     """Padded tokens (rows x longest row) per forward pass."""
+    suppress_token_ids: tuple[int, ...] | None = None
+    """Token ids the generator never samples (logits -inf): new logprobs renormalise without them.
+    ``None``: the policy's media placeholder / vision boundary ids (what ``HFGenerator`` masks);
+    ``[]``: no mask."""
 
 
 @dataclass(frozen=True)
@@ -155,10 +171,18 @@ def _check_image_placeholders(config: Any, batch: TrainBatch, media: dict[str, t
         )
 
 
-def token_logprobs(model: Any, batch: TrainBatch, *, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(
+    model: Any,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    suppress_token_ids: Sequence[int] | None = None,
+) -> torch.Tensor:
     """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
 
     One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
+    The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
+    model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
@@ -166,7 +190,17 @@ def token_logprobs(model: Any, batch: TrainBatch, *, temperature: float = 1.0) -
     if temperature != 1.0:
         logits = logits / temperature
     ids = batch.input_ids.to(logits.device)
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    logits = logits[:, :-1]
+    if suppress_token_ids is None:
+        suppress_token_ids = media_special_token_ids(model.config)
+    suppress = [t for t in suppress_token_ids if 0 <= t < logits.shape[-1]]
+    if suppress:
+        keep = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[suppress] = False
+        picked = logits.gather(-1, ids[:, 1:, None])[..., 0]
+        lp = picked - torch.logsumexp(logits[..., keep], dim=-1)
+    else:
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:] = lp
     return out * batch.attention_mask.to(out.device)
@@ -238,7 +272,9 @@ class GRPOTrainer:
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
             if float(mb.loss_mask.sum()) == 0:
                 continue
-            new_lp = token_logprobs(self.model, mb, temperature=cfg.temperature)
+            new_lp = token_logprobs(
+                self.model, mb, temperature=cfg.temperature, suppress_token_ids=cfg.suppress_token_ids
+            )
             loss, stats = grpo_token_loss(
                 new_lp,
                 mb.logprobs,

@@ -13,8 +13,25 @@ On local defaults (``configs/smoke.yaml``) it
    :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
    ``dp_workers > 0``) updates the policy **the generator samples from** (one model object:
    the next step is on-policy);
-4. prints one line per step (reward, loss, tokens, grad norm, rollouts ok / failed, time)
-   and the payload table, and stops every server it started, on success, error or Ctrl-C.
+4. prints one line per step (environment reward and shaped reward separately, loss, tokens,
+   grad norm, rollouts ok / failed, time), a summary of how the shaped reward moved from the
+   first to the last step, and the payload table; and stops every server it started, on
+   success, error or Ctrl-C.
+
+**Toy shaping (on by default in configs/smoke.yaml).** The random tiny model never solves
+``circle_click``: every group has zero reward variance, so GRPO has nothing to learn from and
+the loop would print ``loss 0, grad_norm 0`` forever. ``shaping: {kind: token_rate, tokens:
+"0123456789", weight: 1.0}`` adds, through the bridge's ``reward_fn`` hook, a dense *toy* bonus
+(:class:`~gymbridge.bridge.TokenRateShaping`: the fraction of generated tokens that are
+digits) to the genuine environment reward, which is kept and printed on its own. It is a
+demonstration that the loop learns, not a task signal; ``--set shaping.kind=none`` turns it off.
+
+**Reproducibility.** With ``reproducible: true`` (default) sampling is seeded from ``seed``:
+native rollouts per ``(seed, task, rollout index)`` (:func:`~gymbridge.bridge.rollout_seed`), the
+Gym path (where the rollout index never reaches the model server) per ``(seed, prompt tokens,
+occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with the same
+``--seed`` prints the same numbers on the native path, and the same set of samples per group
+on the Gym path (the rollout order within a group follows HTTP arrival).
 
 Invariants: nothing is downloaded; nothing listens outside 127.0.0.1; the training step runs
 off the event loop so the servers stay responsive; failed rollouts land in
@@ -40,6 +57,7 @@ import orjson
 import yaml
 from pydantic import Field
 
+from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.config import StrictModel, load_config
 from gymbridge.errors import ConfigError
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
@@ -67,7 +85,9 @@ class SmokeConfig(StrictModel):
     group_size: int = Field(4, ge=1)
     min_group_size: int | None = Field(None, ge=1)
     seed: int = 0
-    """Dataset seed."""
+    """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
+    reproducible: bool = True
+    """Seed every rollout's sampling from ``seed`` (see the module docstring)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
     max_tokens: int = Field(24, ge=1)
@@ -85,6 +105,8 @@ class SmokeConfig(StrictModel):
     """> 0: keep a replay buffer and checkpoint it atomically after every step."""
     work_dir: str | None = None
     """Dataset, failures jsonl and replay checkpoint (default: a fresh temporary directory)."""
+    shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
+    """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
 
@@ -94,6 +116,10 @@ class SmokeResult:
     """What a smoke run produced (the printed numbers, kept for tests and scripts)."""
 
     steps: list[StepMetrics] = field(default_factory=list)
+    env_rewards: list[float] = field(default_factory=list)
+    """Mean environment reward of each step's trained rollouts."""
+    shaping_rewards: list[float] = field(default_factory=list)
+    """Mean shaping bonus of each step's trained rollouts (0.0 without shaping)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     bridge_stats: dict[str, Any] = field(default_factory=dict)
@@ -136,9 +162,29 @@ def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
     return n
 
 
-def _step_line(step: int, total: int, m: StepMetrics, ok: int, failed: int) -> str:
+def _group_rewards(groups: list[Any]) -> tuple[float, float]:
+    """Mean environment reward and mean shaping bonus over the trained trajectories of ``groups``."""
+    env: list[float] = []
+    bonus: list[float] = []
+    for g in groups:
+        if g.batch is None:
+            continue
+        for traj in g.trajectories:
+            base = float(traj.metadata.get("env_reward", traj.reward))
+            env.append(base)
+            bonus.append(float(traj.reward) - base)
+    if not env:
+        return 0.0, 0.0
+    return sum(env) / len(env), sum(bonus) / len(bonus)
+
+
+def _step_line(
+    step: int, total: int, m: StepMetrics, ok: int, failed: int, env: float, shaped: float | None
+) -> str:
+    rewards = f"env reward {env:.3f}" + (f"  shaped reward {shaped:.3f}" if shaped is not None else "")
+    loss = m.loss if abs(m.loss) >= 5e-6 else 0.0  # no "-0.00000" vs "+0.00000" flicker between reruns
     return (
-        f"step {step}/{total}  reward {m.mean_reward:.3f}  loss {m.loss:+.5f}  tokens {m.num_tokens} "
+        f"step {step}/{total}  {rewards}  loss {loss:+.5f}  tokens {m.num_tokens} "
         f"(trained {m.num_loss_tokens})  grad_norm {m.grad_norm:.4f}  ratio {m.mean_ratio:.4f}  "
         f"rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
     )
@@ -147,7 +193,14 @@ def _step_line(step: int, total: int, m: StepMetrics, ok: int, failed: int) -> s
 async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> SmokeResult:
     from tqdm.auto import tqdm
 
-    from gymbridge.bridge import BridgeIterator, GymRollouts, NativeRollouts, ReplayBuffer
+    from gymbridge.bridge import (
+        BridgeIterator,
+        GymRollouts,
+        NativeRollouts,
+        PromptSeededGenerator,
+        ReplayBuffer,
+        TokenRateShaping,
+    )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
@@ -167,6 +220,13 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
     policy = tiny_policy(cfg.model_seed)  # one model: the generator samples from what the trainer updates
     generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
+    shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
+    if shaping is not None:
+        print(
+            f"shaping: toy dense reward added to the env reward: {shaping.weight:g} x fraction of generated "
+            f"tokens made of {shaping.chars!r} ({len(shaping.token_ids)} token ids)",
+            file=out,
+        )
     step_trainer: Any = GRPOTrainer(policy, cfg.trainer)
 
     async with contextlib.AsyncExitStack() as stack:
@@ -176,7 +236,12 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
         source: Any
         if cfg.native:
             source = NativeRollouts(
-                generator, env.url, max_turns=cfg.max_turns, timeout_s=cfg.rollout_deadline_s, meter=meter
+                generator,
+                env.url,
+                max_turns=cfg.max_turns,
+                timeout_s=cfg.rollout_deadline_s,
+                meter=meter,
+                seed=cfg.seed if cfg.reproducible else None,
             )
         else:
             from gymbridge.client import GymClient
@@ -184,7 +249,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             from gymbridge.server import SimpleAgent
 
             model_server = ModelServer(
-                generator,
+                PromptSeededGenerator(generator, cfg.seed) if cfg.reproducible else generator,
                 config=ModelServerConfig(
                     model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
                     max_model_len=cfg.max_model_len,
@@ -240,6 +305,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             meter=meter,
             replay=replay,
             placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
+            reward_fn=shaping,
         )
         stack.push_async_callback(bridge.aclose)
         bar = tqdm(total=cfg.steps, desc="smoke", unit="step", disable=not progress, file=sys.stderr)
@@ -255,15 +321,33 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             result.steps.append(metrics)
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
+            env_mean, bonus_mean = _group_rewards(bridge.last_groups)
+            result.env_rewards.append(env_mean)
+            result.shaping_rewards.append(bonus_mean)
             bar.update(1)
             bar.clear()
-            print(_step_line(step, cfg.steps, metrics, ok, failed), file=out, flush=True)
+            line = _step_line(
+                step, cfg.steps, metrics, ok, failed, env_mean, bonus_mean if shaping is not None else None
+            )
+            print(line, file=out, flush=True)
             if replay is not None:
                 replay.save(work / "replay.ckpt")
         bar.close()
         result.rollouts_ok = bridge.stats.rollouts_ok
         result.rollouts_failed = bridge.stats.rollouts_failed
         result.bridge_stats = bridge.stats.as_dict()
+    if result.steps:
+        n = len(result.steps)
+        env_first, env_last = result.env_rewards[0], result.env_rewards[-1]
+        if shaping is not None:
+            first, last = result.shaping_rewards[0], result.shaping_rewards[-1]
+            print(
+                f"\nshaped reward {first:.3f} -> {last:.3f} over {n} steps "
+                f"(toy token_rate {shaping.chars!r}); env reward {env_first:.3f} -> {env_last:.3f}",
+                file=out,
+            )
+        else:
+            print(f"\nenv reward {env_first:.3f} -> {env_last:.3f} over {n} steps", file=out)
     if cfg.payload_metrics:
         result.payload_table = meter.table()
         print("\npayload per boundary (pickle-5 bytes; ratio = logical / physical media bytes):", file=out)
@@ -335,6 +419,7 @@ def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
     parser.add_argument("--prompts", dest="prompts_per_step", type=int, default=None, help="prompts per step")
     parser.add_argument("--group-size", type=int, default=None, help="rollouts per prompt (G)")
+    parser.add_argument("--seed", type=int, default=None, help="dataset and sampling seed")
     parser.add_argument("--dp", dest="dp_workers", type=int, default=None, help="Ray DP workers (0: none)")
     parser.add_argument("--work-dir", default=None, help="keep dataset / failures / checkpoints here")
     parser.add_argument(
@@ -353,7 +438,16 @@ def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
 def _cmd_smoke(args: argparse.Namespace) -> int:
     flags = {
         k: getattr(args, k)
-        for k in ("native", "env", "steps", "prompts_per_step", "group_size", "dp_workers", "work_dir")
+        for k in (
+            "native",
+            "env",
+            "steps",
+            "prompts_per_step",
+            "group_size",
+            "seed",
+            "dp_workers",
+            "work_dir",
+        )
     }
     cfg = build_config(args.config, args.overrides, flags)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /run call drowns the steps

@@ -20,13 +20,24 @@ def png_data_url(color: tuple[int, int, int] = (255, 0, 0), size: tuple[int, int
     return encode_data_url(buf.getvalue(), "image/png")
 
 
+def media_token_ids(tiny: Any) -> list[int]:
+    """The tiny model's media placeholder and vision boundary ids (never sampled by the generator)."""
+    return [tiny.image_token_id, tiny.video_token_id, tiny.vision_start_token_id, tiny.vision_end_token_id]
+
+
 def reference_logprobs(
-    tiny: Any, token_ids: Sequence[int], images: Sequence[Any], sampling: SamplingConfig
+    tiny: Any,
+    token_ids: Sequence[int],
+    images: Sequence[Any],
+    sampling: SamplingConfig,
+    *,
+    mask_media_tokens: bool = True,
 ) -> list[float]:
     """Teacher-forced ``[L]`` log-probabilities of ``token_ids[1:]`` (0.0 at position 0).
 
     Independent of ``HFGenerator``: one plain forward pass of the tiny model over the
-    whole sequence with all its images, then temperature and top-p applied by hand.
+    whole sequence with all its images, then (by hand) the media-token mask the generator
+    samples under (``mask_media_tokens``), temperature and top-p.
     """
     ids = torch.tensor([list(token_ids)], dtype=torch.long)
     kwargs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -37,6 +48,8 @@ def reference_logprobs(
         kwargs["mm_token_type_ids"] = (ids == tiny.image_token_id).to(torch.int32)
     with torch.no_grad():
         logits = tiny.model(**kwargs).logits[0].double()
+    if mask_media_tokens:
+        logits[:, media_token_ids(tiny)] = float("-inf")
     if sampling.temperature > 0:
         logits = logits / sampling.temperature
         if sampling.top_p < 1.0:

@@ -151,3 +151,49 @@ async def test_from_pretrained_loads_a_saved_vlm(tiny_gen: HFGenerator, tiny: An
     s = SamplingConfig(max_tokens=4, seed=9)
     assert await loaded.generate([inp], s) == await tiny_gen.generate([inp], s)
     assert make_input(loaded, "same?", [(1, 2, 3)]).prompt_token_ids == inp.prompt_token_ids
+
+
+async def test_regression_generator_never_samples_media_placeholders(
+    tiny_gen: HFGenerator, tiny: Any
+) -> None:
+    """Bug: the random tiny model sampled <|image_pad|> / <|video_pad|> / vision boundaries ~1 rollout in 10.
+
+    A sampled placeholder needs an image feature nobody provides: the trainer's VLM forward
+    crashed ("Image features and image tokens do not match") and the next turn broke too.
+    """
+    import torch
+
+    banned = {tiny.image_token_id, tiny.video_token_id, tiny.vision_start_token_id, tiny.vision_end_token_id}
+    assert banned <= set(tiny_gen.suppressed_token_ids)
+    inputs = [make_input(tiny_gen, f"Describe picture {i}.", [(40 * i % 256, 90, 200)]) for i in range(16)]
+    sampling = SamplingConfig(temperature=3.0, max_tokens=48, seed=7)
+    sampled: list[int] = []
+    for gen in await tiny_gen.generate(inputs * 4, sampling):
+        sampled.extend(gen.token_ids)
+        assert all(lp > float("-inf") for lp in gen.logprobs)
+    assert len(sampled) > 2000
+    assert not banned.intersection(sampled), sorted(banned.intersection(sampled))
+    # control: the same model without the mask does sample them at this temperature
+    ids = torch.tensor([inputs[0].prompt_token_ids], dtype=torch.long)
+    probs = torch.softmax(tiny.model(input_ids=ids).logits[0, -1].detach() / 3.0, dim=-1)
+    assert float(probs[sorted(banned)].sum()) * len(sampled) > 5  # expected hits without the mask
+
+
+async def test_masked_logprobs_need_the_same_mask_to_teacher_force(tiny_gen: HFGenerator, tiny: Any) -> None:
+    """The reported logprobs are under the masked distribution: matching them needs the same mask.
+
+    Without it the random tiny model's logprobs differ by the mass it puts on media ids
+    (~1e-2), far above the 1e-5 exactness bar; the trainer therefore applies the mask too.
+    """
+    inp = make_input(tiny_gen, "What color?", [(255, 0, 0)])
+    sampling = SamplingConfig(temperature=1.0, max_tokens=16, seed=3)
+    gen = (await tiny_gen.generate([inp], sampling))[0]
+    full = inp.prompt_token_ids + gen.token_ids
+    images = inp.multi_modal_data.get("image", [])
+    n = len(inp.prompt_token_ids)
+    masked = reference_logprobs(tiny, full, images, sampling)[n:]
+    unmasked = reference_logprobs(tiny, full, images, sampling, mask_media_tokens=False)[n:]
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, masked, strict=True)) < 1e-5
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, unmasked, strict=True)) > 1e-4
+    scored = tiny_gen.score_sync(inp, gen.token_ids, sampling)
+    assert max(abs(a - b) for a, b in zip(gen.logprobs, scored, strict=True)) < 1e-5

@@ -58,6 +58,7 @@ class FakeSamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass
@@ -147,6 +148,32 @@ def test_request_carries_all_media_and_sampled_token_logprobs(fake_vllm: Any) ->
         detokenize=False,
         skip_special_tokens=False,
     )
+
+
+def test_request_never_lets_vllm_sample_media_placeholders(fake_vllm: Any) -> None:
+    """Every request bans the media placeholder / vision boundary ids with a -inf logit bias."""
+    engine = FakeEngine()
+    engine.model_config = types.SimpleNamespace(  # type: ignore[attr-defined]
+        hf_config=types.SimpleNamespace(
+            image_token_id=151655,
+            video_token_id=151656,
+            vision_start_token_id=151652,
+            vision_end_token_id=151653,
+            eos_token_id=151645,
+        ),
+        max_model_len=128,
+    )
+    gen = vllm_backend.VLLMGenerator(
+        "some/model", engine=engine, load_processor=False, suppress_token_ids=[7]
+    )
+    assert gen.suppressed_token_ids == (7, 151652, 151653, 151655, 151656)
+    for sampling in (SamplingConfig(), SamplingConfig(temperature=0.0, seed=1)):
+        _, params = gen.build_request(GenerationInput(prompt_token_ids=[1, 2]), sampling)
+        assert params.logit_bias == {t: float("-inf") for t in (7, 151652, 151653, 151655, 151656)}
+        assert params.logprobs == 0  # the sampled token's processed logprob (masked distribution)
+    # an engine without an HF config and no extra ids: no bias at all (vLLM's default)
+    _, params = make_gen(FakeEngine()).build_request(GenerationInput(prompt_token_ids=[1]), SamplingConfig())
+    assert params.logit_bias is None
 
 
 def test_text_only_request_has_no_multi_modal_data(fake_vllm: Any) -> None:
@@ -240,3 +267,19 @@ async def test_real_vllm_engine_generates_with_logprobs() -> None:  # pragma: no
         [generation_input_from_prompt(rendered.prompt_token_ids, [])], SamplingConfig(max_tokens=8, seed=0)
     )
     assert len(out[0].token_ids) == len(out[0].logprobs) > 0
+
+
+def test_media_special_token_ids_reads_every_known_spelling() -> None:
+    from gymbridge.generation.types import media_special_token_ids
+
+    qwen = types.SimpleNamespace(image_token_id=9, video_token_id=8, vision_start_token_id=7, eos_token_id=2)
+    assert media_special_token_ids(qwen) == (7, 8, 9)
+    llava = types.SimpleNamespace(
+        image_token_index=32000, text_config=types.SimpleNamespace(audio_token_id=5)
+    )
+    assert media_special_token_ids(llava) == (5, 32000)
+    gemma = types.SimpleNamespace(
+        image_token_index=4, boi_token_index=3, eoi_token_index=6, vision_token_id=None
+    )
+    assert media_special_token_ids(gemma) == (3, 4, 6)
+    assert media_special_token_ids(types.SimpleNamespace(eos_token_id=2, use_cache=True)) == ()

@@ -120,3 +120,32 @@ def test_a_stray_video_placeholder_without_videos_is_plain_text(tiny: TinyVLM, b
     with torch.no_grad():
         lp = token_logprobs(tiny_policy(0), replace(batch, input_ids=ids))
     assert bool(torch.isfinite(lp).all())
+
+
+def test_new_logprobs_renormalise_without_the_tokens_the_generator_never_samples(
+    tiny: TinyVLM, batch: TrainBatch
+) -> None:
+    """HFGenerator masks media ids to -inf; the trainer's logprobs drop the same mass (ratio stays 1)."""
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.trainer.grpo import _forward_kwargs
+
+    model = tiny_policy(0)
+    banned = HFGenerator(model, tiny.processor).suppressed_token_ids
+    assert set(banned) == {
+        tiny.image_token_id,
+        tiny.video_token_id,
+        tiny.vision_start_token_id,
+        tiny.vision_end_token_id,
+    }
+    with torch.no_grad():
+        masked = token_logprobs(model, batch)  # default: the model's media ids, like the generator
+        explicit = token_logprobs(model, batch, suppress_token_ids=banned)
+        plain = token_logprobs(model, batch, suppress_token_ids=())
+        probs = torch.softmax(model(**_forward_kwargs(model, batch)).logits.float(), dim=-1)
+    assert torch.equal(masked, explicit)
+    assert torch.isfinite(masked).all()  # also where a prompt token *is* a placeholder
+    p_banned = probs[:, :-1, list(banned)].sum(-1)
+    want = plain[:, 1:] - torch.log1p(-p_banned)
+    loss = batch.loss_mask[:, 1:].bool()
+    assert torch.allclose(masked[:, 1:][loss], want[loss], atol=1e-5)
+    assert float((masked - plain)[batch.loss_mask.bool()].abs().max()) > 1e-4  # the mask matters here

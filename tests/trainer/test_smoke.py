@@ -35,7 +35,8 @@ def test_smoke_runs_end_to_end_and_stops_its_servers(native: bool, tmp_path: Pat
     result = run_smoke(cfg, out=out)
     text = out.getvalue()
     assert len(result.steps) == 2 and result.rollouts_ok == 4 and result.rollouts_failed == 0
-    assert re.search(r"step 2/2  reward \d\.\d{3}  loss [+-]\d\.\d{5}  tokens \d+", text), text
+    assert re.search(r"step 2/2  env reward \d\.\d{3}  loss [+-]\d\.\d{5}  tokens \d+", text), text
+    assert "shaped reward" not in text  # SmokeConfig's own default: no shaping
     # teacher forcing in the trainer reproduces the generator's logprobs through the whole path
     assert all(m.mean_ratio == pytest.approx(1.0, abs=1e-4) for m in result.steps)
     assert all(m.num_loss_tokens > 0 for m in result.steps)
@@ -68,7 +69,9 @@ def test_cli_overrides_and_bad_values(tmp_path: Path) -> None:
         None, [("trainer.lr", 0.5), ("env_params.img_size", 140)], {"steps": 7, "native": None}
     )
     assert cfg.steps == 7 and cfg.trainer.lr == 0.5 and cfg.env_params["img_size"] == 140
-    assert cfg.group_size == 4  # from configs/smoke.yaml
+    assert cfg.group_size == 8  # from configs/smoke.yaml
+    assert cfg.shaping.kind == "token_rate" and cfg.shaping.tokens == "0123456789"  # on by default there
+    assert build_config(None, [], {"seed": 5}).seed == 5
     with pytest.raises(ConfigError) as err:
         build_config(None, [("group_size", 0), ("bogus", 1)], {})
     assert any("group_size" in p for p in err.value.problems) and any(
@@ -93,3 +96,57 @@ def test_dp_without_ray_is_a_config_error_naming_the_extra(
     with pytest.raises(ConfigError, match=r"gymbridge\[ray\]"):
         run_smoke(SmokeConfig(**SMALL, dp_workers=2, work_dir=str(tmp_path)), out=out)
     assert all(_closed(p) for p in _ports(out.getvalue()))
+
+
+# ------------------------------------------------------------------ the loop visibly learns
+# Fast variant of the default config (native path: no agent / model server; 5 steps, one turn).
+FAST_LEARN = {"native": True, "steps": 5, "max_turns": 1, "payload_metrics": False}
+
+
+def _summary(text: str) -> tuple[float, float]:
+    m = re.search(r"shaped reward (\d\.\d{3}) -> (\d\.\d{3}) over (\d+) steps", text)
+    assert m, text
+    return float(m.group(1)), float(m.group(2))
+
+
+def test_shaped_reward_rises_fast_variant(tmp_path: Path) -> None:
+    """The default smoke config's toy shaping, shortened: the shaped reward clearly rises (seeded)."""
+    cfg = build_config(None, [("trainer.lr", 4e-2)], {**FAST_LEARN, "work_dir": str(tmp_path)})
+    out = io.StringIO()
+    result = run_smoke(cfg, out=out)
+    text = out.getvalue()
+    first, last = _summary(text)
+    assert (first, last) == (round(result.shaping_rewards[0], 3), round(result.shaping_rewards[-1], 3))
+    assert last >= 2 * first and last - first >= 0.05, text
+    assert re.search(r"step 5/5  env reward 0\.000  shaped reward \d\.\d{3}  loss", text), text
+    assert all(e == 0.0 for e in result.env_rewards)  # the genuine env reward is kept, not replaced
+    assert all(m.grad_norm > 0 for m in result.steps)  # GRPO sees reward variance now
+    assert all(m.mean_ratio == pytest.approx(1.0, abs=1e-4) for m in result.steps)
+    assert result.rollouts_failed == 0  # no GeneratedPlaceholderToken failures any more
+
+
+@pytest.mark.slow
+def test_default_smoke_config_shaped_reward_rises(tmp_path: Path) -> None:
+    """``gymbridge smoke run`` as shipped (Gym path, 8 steps): the shaped reward rises first -> last."""
+    out = io.StringIO()
+    result = run_smoke(build_config(None, [], {"work_dir": str(tmp_path)}), out=out)
+    first, last = _summary(out.getvalue())
+    assert len(result.steps) == 8
+    assert last >= first + 0.1, out.getvalue()
+    assert result.rollouts_failed == 0
+
+
+def test_reruns_with_the_same_seed_match(tmp_path: Path) -> None:
+    """Per-rollout sampling seeds from (seed, task, rollout): same seed, same numbers; another differs."""
+    small = {**SMALL, "native": True, "group_size": 4, "payload_metrics": False}
+    small["shaping"] = {"kind": "token_rate"}
+
+    def run(seed: int) -> list[tuple[float, float, float]]:
+        res = run_smoke(
+            SmokeConfig(**small, seed=seed, work_dir=str(tmp_path / str(seed))), out=io.StringIO()
+        )
+        return [(m.loss, m.grad_norm, s) for m, s in zip(res.steps, res.shaping_rewards, strict=True)]
+
+    a, b = run(0), run(0)
+    assert a == b
+    assert run(1) != a
