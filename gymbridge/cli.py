@@ -32,8 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
+from gymbridge.config import parse_key_value
 from gymbridge.errors import ConfigError, GymbridgeError
 
 if TYPE_CHECKING:
@@ -80,17 +79,6 @@ def _environments() -> ModuleType:
     )
 
 
-def _parse_param(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip(), parsed
-
-
 def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``env list``, ``env data`` and ``env serve``."""
     p_list = sub.add_parser("list", help="list the example environments")
@@ -108,7 +96,7 @@ def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     p_data.add_argument("--out", type=Path, required=True, help="output .jsonl file (written atomically)")
     p_data.add_argument(
         "--param",
-        type=_parse_param,
+        type=parse_key_value,
         action="append",
         default=[],
         metavar="KEY=VALUE",

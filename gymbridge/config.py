@@ -10,6 +10,7 @@ in string values are expanded from the environment before validation.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 from collections.abc import Mapping
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from gymbridge.errors import ConfigError
 
-__all__ = ["StrictModel", "expand_env", "load_config"]
+__all__ = ["StrictModel", "expand_env", "load_config", "parse_key_value"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -109,3 +110,20 @@ def load_config(source: str | Path | Mapping[str, Any], model: type[M]) -> M:
     if problems:
         raise ConfigError(problems, source=where)
     return cfg
+
+
+def parse_key_value(text: str) -> tuple[str, Any]:
+    """Parse a command-line ``KEY=VALUE`` (keys may be dotted) with a YAML-typed value.
+
+    ``lr=1e-3`` gives ``("lr", 0.001)``, ``name=`` gives ``("name", "")``, and a value
+    that is not valid YAML stays the plain string. Meant as an ``argparse`` ``type=``:
+    a malformed argument raises ``argparse.ArgumentTypeError`` with a readable message.
+    """
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys allowed), got {text!r}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value
+    return key.strip(), parsed

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.config import StrictModel, load_config
+from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 
 
@@ -56,3 +56,26 @@ def test_missing_file_and_bad_yaml(tmp_path: Path) -> None:
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(top, Cfg)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("lr=0.001", ("lr", 0.001)),
+        ("trainer.steps=5", ("trainer.steps", 5)),
+        ("name=", ("name", "")),
+        (" flag = true", ("flag", True)),
+        ("colour=[unclosed", ("colour", "[unclosed")),  # not YAML: kept as the plain string
+        ("url=http://x:1/a=b", ("url", "http://x:1/a=b")),  # only the first '=' splits
+    ],
+)
+def test_parse_key_value(text: str, expected: tuple[str, object]) -> None:
+    assert parse_key_value(text) == expected
+
+
+@pytest.mark.parametrize("text", ["novalue", "=5", "  =x"])
+def test_parse_key_value_refuses_malformed(text: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+        parse_key_value(text)

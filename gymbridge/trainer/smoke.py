@@ -54,11 +54,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
-import yaml
 from pydantic import Field
 
 from gymbridge.bridge.shaping import ShapingConfig
-from gymbridge.config import StrictModel, load_config
+from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 
@@ -376,17 +375,6 @@ def run_smoke(cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = 
 
 
 # ------------------------------------------------------------------------ CLI
-def _parse_override(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE (dotted keys allowed), got {text!r}")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value
-    return key.strip(), parsed
-
-
 def build_config(
     config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
 ) -> SmokeConfig:
@@ -425,7 +413,7 @@ def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
         dest="overrides",
-        type=_parse_override,
+        type=parse_key_value,
         action="append",
         default=[],
         metavar="KEY=VALUE",
