@@ -6,6 +6,10 @@ server (gymbridge's ``ScriptedModelServer`` in its own process):
 * ours:    gymbridge ``SimpleAgent``       + gymbridge ``environments/counter``
 * genuine: genuine ``simple_agent`` (0.7.0) + genuine ``example_session_state_mgmt``
 
+The scripted model runs with ``keep_requests`` off (its default keeps every request body, so its
+heap, and its per-call cost, would grow through the run and tax the later, higher-concurrency
+levels of both stacks).
+
 Each rollout: ``/seed_session``, model call 1 (``increment_counter(count=1)``), one tool call,
 model call 2 (a final message), ``/verify``. Every server is its own process (single worker), the
 driver is one neutral aiohttp client in this process posting ``/run`` with at most ``C`` in flight.
@@ -46,15 +50,13 @@ sys.path.insert(0, str(REPO / "tests" / "gym"))
 sys.path.insert(0, str(REPO))
 
 from _genuine import (  # noqa: E402  (the launcher lives with the gym suite)
-    KIND_AGENTS,
-    KIND_MODELS,
     KIND_RESOURCES,
     GenuineStack,
     child_env,
     free_port,
     gym_venv_problem,
-    ref,
 )
+from _gym_support import add_genuine_simple_agent, add_scripted_model  # noqa: E402
 
 SCRIPT = [{"calls": [{"name": "increment_counter", "arguments": {"count": 1}}]}, "The count is updated."]
 TOOLS = json.loads((REPO / "tests" / "gym" / "recorded" / "rows" / "counter_tools.json").read_text())
@@ -66,6 +68,15 @@ from environments.counter.server import CounterServer
 from gymbridge.server import serve
 logging.basicConfig(level=logging.WARNING)
 serve(CounterServer(instance_name="bench_counter"), port=int(sys.argv[1]))
+"""
+MODEL = """
+import json, logging, sys
+from gymbridge.server import serve
+from gymbridge.testing.scripted_model import ScriptedModelServer
+logging.basicConfig(level=logging.WARNING)
+server = ScriptedModelServer(json.loads(open(sys.argv[2]).read()))
+server.keep_requests = False  # a benchmark must not keep every request body: the heap would grow per level
+serve(server, port=int(sys.argv[1]))
 """
 OURS_AGENT = """
 import logging, sys
@@ -175,15 +186,7 @@ def start_ours(workdir: Path, env: dict[str, str]) -> tuple[list[subprocess.Pope
     ports = {name: free_port() for name in ("model", "env", "agent")}
     urls = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     commands = {
-        "model": [
-            str(GYMBRIDGE_PY),
-            "-m",
-            "gymbridge.testing.scripted_model",
-            "--port",
-            str(ports["model"]),
-            "--script",
-            str(script),
-        ],
+        "model": [str(GYMBRIDGE_PY), "-c", MODEL, str(ports["model"]), str(script)],
         "env": [str(GYMBRIDGE_PY), "-c", OURS_ENV, str(ports["env"])],
         "agent": [str(GYMBRIDGE_PY), "-c", OURS_AGENT, str(ports["agent"]), urls["env"], urls["model"]],
     }
@@ -216,17 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     env["PYTHONPATH"] = str(REPO)
     procs, urls = start_ours(workdir, env)
     stack = GenuineStack(workdir / "genuine")
-    stack.add(
-        "policy_model", KIND_MODELS, "vllm_model", port=int(urls["model"].rsplit(":", 1)[1]), launch=False
-    )
+    add_scripted_model(stack, urls["model"])
     stack.add("counter", KIND_RESOURCES, "example_session_state_mgmt", domain="agent")
-    stack.add(
-        "counter_agent",
-        KIND_AGENTS,
-        "simple_agent",
-        resources_server=ref(KIND_RESOURCES, "counter"),
-        model_server=ref(KIND_MODELS, "policy_model"),
-    )
+    add_genuine_simple_agent(stack, "counter_agent", "counter")
     results: list[Level] = []
     try:
         if "genuine" in args.stacks:

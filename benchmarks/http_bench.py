@@ -30,9 +30,11 @@ from typing import Any
 async def _serve() -> None:
     from aiohttp import web
 
-    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.server import SimpleAgent, start_server, tune_gc_for_serving
     from gymbridge.server.examples import CounterEnv
     from gymbridge.testing.scripted_model import ScriptedModelServer
+
+    tune_gc_for_serving()  # this process is a server host, as under ``serve``
 
     async def echo(request: web.Request) -> web.Response:
         return web.Response(body=await request.read(), content_type="application/json")

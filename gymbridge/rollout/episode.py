@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -50,6 +49,13 @@ from gymbridge.generation.batching import BatchingGenerator
 from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
 from gymbridge.generation.outputs import response_items
 from gymbridge.generation.types import ContextLengthError, Generator, SamplingConfig
+from gymbridge.server._episode import (
+    GymnasiumEpisode,
+    ToolEpisode,
+    tool_call_request,
+    tool_output_items,
+)
+from gymbridge.server._tools import PARTS_HEADER
 from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
 
 if TYPE_CHECKING:
@@ -60,8 +66,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["EpisodeMode", "NativeModel", "run_episode", "run_group"]
 
 EpisodeMode = Literal["auto", "tools", "gymnasium"]
-PARTS_HEADER = "X-Gymbridge-Tool-Output"
-_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 class NativeModel:
@@ -207,45 +211,12 @@ class _Env:
         await self.client.aclose()
 
 
-def _as_items(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"type": "message", "role": "user", "content": value}]
-    if isinstance(value, list):
-        return list(value)
-    raise TrajectoryError(
-        f"responses_create_params.input must be a string or a list, got {type(value).__name__}"
-    )
-
-
-def _observation_message(data: Mapping[str, Any]) -> dict[str, Any] | None:
-    content = data.get("observation_content")
-    if isinstance(content, list) and content:
-        return {"type": "message", "role": "user", "content": content}
-    text = data.get("observation")
-    if text:
-        return {"type": "message", "role": "user", "content": str(text)}
-    return None
-
-
 async def _tool_items(env: _Env, call: Mapping[str, Any], tool_media: str) -> list[dict[str, Any]]:
     """The items a tool call adds: its output (and its media in a user message, by default)."""
-    call_id = call.get("call_id")
-    name = str(call.get("name", ""))
-    try:
-        arguments = json.loads(call.get("arguments") or "")
-    except (ValueError, TypeError) as exc:
-        text = json.dumps({"error": f"Invalid tool call arguments: {exc!r}"})
-        return [{"type": "function_call_output", "call_id": call_id, "output": text}]
-    if not _TOOL_NAME.match(name):
-        return [
-            {
-                "type": "function_call_output",
-                "call_id": call_id,
-                "output": json.dumps({"detail": "Not Found"}),
-            }
-        ]
+    request = tool_call_request(call)
+    if isinstance(request, list):
+        return request
+    name, arguments = request
     reply = await env.post(f"/{name}", arguments, ok_only=False)
     if reply.status_code > 500:
         raise EnvServerError(
@@ -253,24 +224,7 @@ async def _tool_items(env: _Env, call: Mapping[str, Any], tool_media: str) -> li
             status=reply.status_code,
             body=reply.text[:4000],
         )
-    parts: list[dict[str, Any]] | None = None
-    if reply.headers.get(PARTS_HEADER) == "parts":
-        try:
-            body = reply.json()
-        except ValueError:
-            body = None
-        if isinstance(body, list) and all(isinstance(p, dict) and "type" in p for p in body):
-            parts = body
-    if parts is None:
-        return [{"type": "function_call_output", "call_id": call_id, "output": reply.text}]
-    text = "\n".join(str(p.get("text", "")) for p in parts if p.get("type") == "input_text")
-    media = [p for p in parts if p.get("type") != "input_text"]
-    if tool_media == "output" or not media:
-        return [{"type": "function_call_output", "call_id": call_id, "output": parts if media else text}]
-    return [
-        {"type": "function_call_output", "call_id": call_id, "output": text},
-        {"type": "message", "role": "user", "content": media},
-    ]
+    return tool_output_items(call.get("call_id"), reply.content, reply.headers.get(PARTS_HEADER), tool_media)
 
 
 async def run_episode(
@@ -330,27 +284,19 @@ async def _run_tools(
     env: _Env, model: NativeModel, row: dict[str, Any], rcp: dict[str, Any], max_turns: int, tool_media: str
 ) -> dict[str, Any]:
     await env.post_json("/seed_session", row)
-    base_input = _as_items(rcp.get("input"))
-    outputs: list[Any] = []
-    status = "completed"
-    last: dict[str, Any] = {}
+    try:
+        episode = ToolEpisode(rcp)
+    except ProtocolError as exc:
+        raise TrajectoryError(str(exc)) from None
     for turn in range(1, max_turns + 1):
-        last = await model.respond(rcp, base_input + outputs)
-        output = last["output"]
-        outputs.extend(output)
-        if last.get("incomplete_details"):
-            status = "incomplete"
-            break
-        calls = [o for o in output if o.get("type") == "function_call"]
-        if not calls:
-            if not any(o.get("type") == "message" for o in output):
-                status = "incomplete"
+        calls = episode.add_response(await model.respond(rcp, episode.model_input()))
+        if calls is None:
             break
         for call in calls:
-            outputs.extend(await _tool_items(env, call, tool_media))
+            episode.outputs.extend(await _tool_items(env, call, tool_media))
         if turn >= max_turns:
-            status = "incomplete"
-    response = {**last, "output": outputs, "status": status}
+            episode.stop_at_max_steps()
+    response = episode.response()
     result = await env.post_json("/verify", {**row, "response": response})
     if not isinstance(result, dict) or not isinstance(result.get("reward"), int | float):
         raise EnvServerError("/verify answered without a numeric reward", status=200, body=str(result)[:4000])
@@ -360,60 +306,35 @@ async def _run_tools(
 async def _run_gymnasium(
     env: _Env, model: NativeModel, row: dict[str, Any], rcp: dict[str, Any], max_turns: int
 ) -> dict[str, Any]:
+    try:
+        episode = GymnasiumEpisode({**row, "responses_create_params": rcp})
+    except ProtocolError as exc:
+        raise TrajectoryError(str(exc)) from None
     reset = await env.post_json("/reset", row)
-    if not isinstance(reset, dict):
-        raise EnvServerError("/reset answered a non-object", status=200, body=str(reset)[:4000])
-    supports_close = (reset.get("info") or {}).get("supports_explicit_close") is True
-    base_input = _as_items(rcp.get("input"))
-    first = _observation_message(reset)
-    if first is not None:
-        base_input.append(first)
-    outputs: list[Any] = []
-    total_reward = 0.0
-    step: dict[str, Any] = {"terminated": False, "truncated": True, "info": {}}
-    finished = False
-    last: dict[str, Any] = {}
+    try:
+        episode.start(reset)
+    except ProtocolError as exc:
+        raise EnvServerError(
+            f"/reset answered an invalid body: {exc}", status=200, body=str(reset)[:4000]
+        ) from None
     try:
         for _ in range(max_turns):
-            last = await model.respond(rcp, base_input + outputs)
-            outputs.extend(last["output"])
-            step = await env.post_json("/step", {**row, "response": last})
-            if not isinstance(step, dict) or not isinstance(step.get("reward", 0.0), int | float):
-                raise EnvServerError("/step answered an invalid body", status=200, body=str(step)[:4000])
-            total_reward += float(step.get("reward", 0.0))
-            if step.get("terminated") or step.get("truncated"):
-                finished = True
-                break
-            for tool_output in (step.get("info") or {}).get("tool_outputs", []) or []:
-                outputs.append(
-                    {
-                        "type": "function_call_output",
-                        "call_id": tool_output.get("call_id"),
-                        "output": tool_output.get("output", ""),
-                    }
-                )
-            message = _observation_message(step)
-            if message is not None:
-                outputs.append(message)
+            last = await model.respond(rcp, episode.model_input())
+            step = await env.post_json("/step", episode.add_response(last))
+            try:
+                if episode.add_step(step).done:
+                    break
+            except ProtocolError as exc:
+                raise EnvServerError(
+                    f"/step answered an invalid body: {exc}", status=200, body=str(step)[:4000]
+                ) from None
     finally:
-        if supports_close:
+        if episode.supports_close:
             try:
                 await env.post("/close", {})
             except GymbridgeError:
                 logger.exception("closing the environment failed")
-    response = {**last, "output": outputs, "status": "completed" if finished else "incomplete"}
-    return {
-        **row,
-        "responses_create_params": {**rcp, "input": base_input},
-        "response": response,
-        "reward": total_reward,
-        "terminated": bool(step.get("terminated", False)),
-        "truncated": bool(step.get("truncated", False)) or not finished,
-        "info": step.get("info") or {},
-        "mask_sample": False,
-        "failure_kind": None,
-        "failure_reason": None,
-    }
+    return episode.result()
 
 
 async def run_group(

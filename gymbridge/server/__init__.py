@@ -3,7 +3,9 @@
 Public API (stable): :class:`ResourcesServer` with :func:`tool`, :class:`VerifyResult`,
 :class:`Observation`, :class:`StepResult`, :class:`ToolOutput` and the content-part
 helpers; :class:`SimpleAgent` and :func:`rollout_id_from_row` (stock Gym's rollout id);
-:func:`serve` (blocking) and :func:`start_server` (in-loop, for tests); :func:`check_env`.
+:func:`serve` (blocking) and :func:`start_server` (in-loop, for tests);
+:func:`tune_gc_for_serving` (what ``serve`` does to the GC, for processes that host
+servers with ``start_server``); :func:`check_env`.
 See ``docs/http.md``.
 """
 
@@ -18,6 +20,7 @@ from gymbridge.server._base import (
     free_port,
     serve,
     start_server,
+    tune_gc_for_serving,
 )
 from gymbridge.server._check import CheckEnvError, CheckReport, check_env, example_arguments
 from gymbridge.server._resources import (
@@ -54,5 +57,6 @@ __all__ = [
     "serve",
     "start_server",
     "tool",
+    "tune_gc_for_serving",
     "video_part",
 ]

@@ -52,9 +52,7 @@ Behaviour (stock Gym parity, with its known faults fixed):
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +61,13 @@ from aiohttp import web
 
 from gymbridge.errors import EnvError, EnvServerError, EnvTimeoutError, ProtocolError
 from gymbridge.server._base import ROLLOUT_ID, GymServer, HttpError, RequestContext, json_response
+from gymbridge.server._episode import (
+    GymnasiumEpisode,
+    ToolEpisode,
+    input_items,
+    tool_call_request,
+    tool_output_items,
+)
 from gymbridge.server._http import Reply, make_client_session, post_json
 from gymbridge.server._tools import PARTS_HEADER
 
@@ -70,7 +75,6 @@ __all__ = ["SimpleAgent", "rollout_id_from_row"]
 
 logger = logging.getLogger(__name__)
 
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 TOKEN_CAPTURE_SEGMENT = "/training-token-capture"
 
 
@@ -339,106 +343,62 @@ class SimpleAgent(GymServer):
         ``output``) and the model server's cookies; ``resources_cookies`` is
         updated in place with what the tools set.
         """
-        base_input = _as_items(rcp.get("input"))
+        try:
+            episode = ToolEpisode(rcp)
+        except ProtocolError as exc:
+            raise _UpstreamFailure(422, str(exc)) from None
         model_cookies: dict[str, str] = {}
-        outputs: list[Any] = []
-        usage: dict[str, Any] | None = None
-        status = "completed"
-        last: dict[str, Any] = {}
         for step in range(1, self.max_steps + 1):
-            last = await self._model(rcp, base_input + outputs, model_cookies, route)
-            output = last["output"]
-            outputs.extend(output)
-            usage = _add_usage(usage, last.get("usage"))
-            if last.get("incomplete_details"):
-                status = "incomplete"
-                break
-            calls = [o for o in output if isinstance(o, dict) and o.get("type") == "function_call"]
-            messages = [
-                o
-                for o in output
-                if isinstance(o, dict) and o.get("type") == "message" and o.get("role") == "assistant"
-            ]
-            if not calls:
-                if not messages:
-                    status = "incomplete"
-                    last["metadata"] = {
-                        **(last.get("metadata") or {}),
-                        "ng_termination_reason": "incomplete_reasoning" if output else "empty_output",
-                    }
+            calls = episode.add_response(await self._model(rcp, episode.model_input(), model_cookies, route))
+            if calls is None:
                 break
             for call in calls:
-                outputs.extend(await self._tool(call, resources_cookies, route))
+                episode.outputs.extend(await self._tool(call, resources_cookies, route))
             if step >= self.max_steps:
-                status = "incomplete"
+                episode.stop_at_max_steps()
                 logger.info("%s: max_steps=%d reached", self.cookie_name, self.max_steps)
-
-        return {**last, "output": outputs, "usage": usage, "status": status}, model_cookies
+        return episode.response(), model_cookies
 
     async def _tool(
         self, call: dict[str, Any], cookies: dict[str, str], route: _Route
     ) -> list[dict[str, Any]]:
-        call_id = call.get("call_id")
-        name = str(call.get("name", ""))
-        try:
-            arguments = json.loads(call.get("arguments") or "")
-        except (ValueError, TypeError) as exc:
-            text = _dumps({"error": f"Invalid tool call arguments: {exc!r}"})
-            return [{"type": "function_call_output", "call_id": call_id, "output": text}]
-        if not TOOL_NAME.match(name):
-            text = _dumps({"detail": "Not Found"})
-            return [{"type": "function_call_output", "call_id": call_id, "output": text}]
+        request = tool_call_request(call)
+        if isinstance(request, list):
+            return request
+        name, arguments = request
         url = f"{self.resources_url}{route.resources('/' + name)}"
         reply = await self._call(url, arguments, self.tool_timeout_s, cookies)
         cookies.update(reply.cookies)
-        if reply.status >= 500 and reply.status != 500:
+        if reply.status > 500:
             # 502/503/504 from a proxy or an overloaded server is infrastructure, not the model's doing.
             raise _UpstreamFailure(502, f"Tool {name!r} answered HTTP {reply.status}: {reply.text[:2000]}")
-        parts = _tool_parts(reply)
-        if parts is None:
-            return [{"type": "function_call_output", "call_id": call_id, "output": reply.text}]
-        text = "\n".join(str(p.get("text", "")) for p in parts if p.get("type") == "input_text")
-        media = [p for p in parts if p.get("type") != "input_text"]
-        if self.tool_media == "output" or not media:
-            return [{"type": "function_call_output", "call_id": call_id, "output": parts if media else text}]
-        return [
-            {"type": "function_call_output", "call_id": call_id, "output": text},
-            {"type": "message", "role": "user", "content": media},
-        ]
+        return tool_output_items(
+            call.get("call_id"), reply.body, reply.headers.get(PARTS_HEADER), self.tool_media
+        )
 
     # ----------------------------------------------------------- gymnasium
     async def _run_gymnasium(
         self, row: dict[str, Any], caller: dict[str, str], route: _Route
     ) -> dict[str, Any]:
-        rcp = row["responses_create_params"]
+        try:
+            episode = GymnasiumEpisode(row)
+        except ProtocolError as exc:
+            raise _UpstreamFailure(422, str(exc)) from None
         env_cookies = dict(caller)
-        reset_url = f"{self.resources_url}{route.resources('/reset')}"
-        reset = await self._call(reset_url, row, self.env_timeout_s, env_cookies)
+        reset = await self._call(
+            f"{self.resources_url}{route.resources('/reset')}", row, self.env_timeout_s, env_cookies
+        )
         reset_data = self._require_ok(reset)
         env_cookies.update(reset.cookies)
-        if not isinstance(reset_data, dict):
-            raise _UpstreamFailure(500, f"Received an invalid reset response: {reset.text[:2000]}")
-        reset_info = reset_data.get("info")
-        supports_close = isinstance(reset_info, dict) and reset_info.get("supports_explicit_close") is True
-        base_input = _as_items(rcp.get("input"))
-        first = _observation_message(reset_data)
-        if first is not None:
-            base_input.append(first)
-        base_rcp = {**rcp, "input": base_input}
-
+        try:
+            episode.start(reset_data)
+        except ProtocolError as exc:
+            raise _UpstreamFailure(500, f"Received an invalid reset response: {exc}") from None
         model_cookies: dict[str, str] = {}
-        outputs: list[Any] = []
-        usage: dict[str, Any] | None = None
-        total_reward = 0.0
-        step_data: dict[str, Any] = {"terminated": False, "truncated": True, "info": {}}
-        finished = False
-        last: dict[str, Any] = {}
         try:
             for _ in range(self.max_steps):
-                last = await self._model(rcp, base_input + outputs, model_cookies, route)
-                outputs.extend(last["output"])
-                usage = _add_usage(usage, last.get("usage"))
-                step_body = {**row, "response": last}
+                last = await self._model(episode.rcp, episode.model_input(), model_cookies, route)
+                step_body = episode.add_response(last)
                 reply = await self._call(
                     f"{self.resources_url}{route.resources('/step')}",
                     step_body,
@@ -447,31 +407,15 @@ class SimpleAgent(GymServer):
                 )
                 step_data = self._require_ok(reply)
                 env_cookies.update(reply.cookies)
-                if not isinstance(step_data, dict) or not isinstance(
-                    step_data.get("reward", 0.0), (int, float)
-                ):
-                    raise _UpstreamFailure(500, f"Received an invalid step response: {reply.text[:2000]}")
-                total_reward += float(step_data.get("reward", 0.0))
-                if step_data.get("terminated") or step_data.get("truncated"):
-                    finished = True
-                    break
-                info = step_data.get("info")
-                tool_outputs = info.get("tool_outputs") if isinstance(info, dict) else None
-                for tool_output in tool_outputs if isinstance(tool_outputs, list) else []:
-                    if not isinstance(tool_output, dict):
-                        continue
-                    outputs.append(
-                        {
-                            "type": "function_call_output",
-                            "call_id": tool_output.get("call_id"),
-                            "output": tool_output.get("output", ""),
-                        }
-                    )
-                message = _observation_message(step_data)
-                if message is not None:
-                    outputs.append(message)
+                try:
+                    if episode.add_step(step_data).done:
+                        break
+                except ProtocolError as exc:
+                    raise _UpstreamFailure(
+                        500, f"Received an invalid step response ({exc}): {reply.text[:2000]}"
+                    ) from None
         finally:
-            if supports_close:
+            if episode.supports_close:
                 try:
                     await post_json(
                         self.client,
@@ -482,74 +426,12 @@ class SimpleAgent(GymServer):
                     )
                 except EnvError:
                     logger.exception("%s: closing the environment failed", self.cookie_name)
-        response = {
-            **last,
-            "output": outputs,
-            "usage": usage,
-            "status": "completed" if finished else "incomplete",
-        }
-        return {
-            **row,
-            "responses_create_params": base_rcp,
-            "response": response,
-            "reward": total_reward,
-            "terminated": bool(step_data.get("terminated", False)),
-            "truncated": bool(step_data.get("truncated", False)) or not finished,
-            "info": step_data.get("info") or {},
-            "mask_sample": False,
-            "failure_kind": None,
-            "failure_reason": None,
-        }
+        return episode.result()
 
 
 # ------------------------------------------------------------------ helpers
-def _dumps(value: Any) -> str:
-    return json.dumps(value)
-
-
 def _as_items(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [{"role": "user", "content": value, "type": "message"}]
-    if isinstance(value, list):
-        return list(value)
-    raise _UpstreamFailure(
-        422, f"responses_create_params.input must be a string or a list, got {type(value).__name__}"
-    )
-
-
-def _observation_message(data: dict[str, Any]) -> dict[str, Any] | None:
-    """The user message for an observation: content parts when given, else the text."""
-    content = data.get("observation_content")
-    if isinstance(content, list) and content:
-        return {"role": "user", "content": content, "type": "message"}
-    text = data.get("observation")
-    if text:
-        return {"role": "user", "content": str(text), "type": "message"}
-    return None
-
-
-def _tool_parts(reply: Reply) -> list[dict[str, Any]] | None:
-    if reply.headers.get(PARTS_HEADER) != "parts":
-        return None
     try:
-        parts = reply.json()
-    except ProtocolError:
-        return None
-    if isinstance(parts, list) and all(isinstance(p, dict) and "type" in p for p in parts):
-        return parts
-    return None
-
-
-def _add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None:
-    if not isinstance(usage, dict):
-        return total
-    if total is None:
-        return {k: v for k, v in usage.items()}
-    out = dict(total)
-    for key in ("input_tokens", "output_tokens", "total_tokens"):
-        a, b = out.get(key), usage.get(key)
-        if isinstance(a, int) and isinstance(b, int):
-            out[key] = a + b
-    return out
+        return input_items(value)
+    except ProtocolError as exc:
+        raise _UpstreamFailure(422, str(exc)) from None

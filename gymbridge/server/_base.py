@@ -11,8 +11,11 @@ Invariants:
 * sessions live in a cookie named ``<ServerClass>___<instance>`` (NeMo Gym's
   name); a server reads only its own cookie, so many servers' cookies may
   travel together in one ``Cookie`` header; every response (re)sets it;
-* the session store is bounded (``max_sessions``; oldest evicted first), so a
-  client that never closes sessions cannot grow memory without bound;
+* the session store is bounded (``max_sessions``; least recently used evicted
+  first, logged on the first eviction and every 10,000th), so a client that
+  never closes sessions cannot grow memory without bound; a session enters the
+  store only when a handler uses it (``ctx.session``), so stateless routes (an
+  agent's ``/run``, a model call) store nothing per request;
 * a handler is cancelled when its client disconnects (``handler_cancellation``),
   so a caller's deadline also stops the work it started downstream;
 * no request kills the server: unknown paths answer 404, wrong methods 405,
@@ -23,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import re
 import secrets
@@ -46,6 +50,7 @@ __all__ = [
     "json_response",
     "serve",
     "start_server",
+    "tune_gc_for_serving",
 ]
 
 logger = logging.getLogger(__name__)
@@ -57,6 +62,10 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Stock Gym's rollout-id pattern (a path segment and a file-name component)."""
 ROLLOUT_PREFIX = re.compile(rf"^/ng-rollout/(?P<rollout_id>{ROLLOUT_ID.pattern.strip('^$')})(?P<rest>/.*)?$")
 HEALTH_PATHS = ("/", "/livez", "/healthz", "/readyz", "/health")
+COOKIE_VALUE = re.compile(r"^[A-Za-z0-9_.~-]+$")
+"""A session id that needs no quoting in ``Set-Cookie`` (every id this server mints)."""
+COOKIE_ATTRIBUTES = "; HttpOnly; Path=/; SameSite=Lax"
+EVICTION_LOG_EVERY = 10_000
 
 
 class HttpError(Exception):
@@ -76,15 +85,40 @@ class Session:
     state: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
 class RequestContext:
-    """What a route handler sees: the request, its session, its parsed path."""
+    """What a route handler sees: the request, its session, its parsed path.
 
-    request: web.Request
-    path: str
-    rollout_id: str | None
-    session: Session
-    _body: bytes | None = None
+    ``session_id`` is the request's own cookie value, else a fresh id; the
+    :attr:`session` itself is opened (and stored) on first access, so a handler
+    that never looks at it (an agent's ``/run``, a model call) leaves nothing in
+    the session store. An unopened session and a stored empty one behave alike
+    to the client: the same cookie comes back either way.
+    """
+
+    __slots__ = ("_body", "_open", "_session", "path", "request", "rollout_id", "session_id")
+
+    def __init__(
+        self,
+        request: web.Request,
+        path: str,
+        rollout_id: str | None,
+        session_id: str,
+        open_session: Callable[[str], Session] | None = None,
+    ) -> None:
+        self.request = request
+        self.path = path
+        self.rollout_id = rollout_id
+        self.session_id = session_id
+        self._open = open_session
+        self._session: Session | None = None
+        self._body: bytes | None = None
+
+    @property
+    def session(self) -> Session:
+        """This request's session (created in the server's store on first access)."""
+        if self._session is None:
+            self._session = self._open(self.session_id) if self._open else Session(id=self.session_id)
+        return self._session
 
     async def body_bytes(self) -> bytes:
         if self._body is None:
@@ -141,6 +175,8 @@ class GymServer:
         self.max_sessions = max_sessions
         self._routes: dict[str, dict[str, Handler]] = {}
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.evicted_sessions = 0
+        """Sessions dropped because the store was full (logged on the first and every 10,000th)."""
         for path in HEALTH_PATHS:
             self.add_route("GET", path, self._health)
 
@@ -188,23 +224,26 @@ class GymServer:
     def num_sessions(self) -> int:
         return len(self._sessions)
 
-    def _session_for(self, request: web.Request) -> Session:
-        session_id = request.cookies.get(self.cookie_name)
-        if session_id is not None:
-            found = self._sessions.get(session_id)
-            if found is not None:
-                self._sessions.move_to_end(session_id)
-                return found
-        session = Session(id=session_id or secrets.token_urlsafe(18))
-        self._sessions[session.id] = session
+    def _open_session(self, session_id: str) -> Session:
+        """The stored session ``session_id`` (most recently used now), created when absent."""
+        found = self._sessions.get(session_id)
+        if found is not None:
+            self._sessions.move_to_end(session_id)
+            return found
+        session = Session(id=session_id)
+        self._sessions[session_id] = session
         while len(self._sessions) > self.max_sessions:
             evicted, _ = self._sessions.popitem(last=False)
-            logger.warning(
-                "%s: session store full (%d); evicted session %s",
-                self.cookie_name,
-                self.max_sessions,
-                evicted,
-            )
+            self.evicted_sessions += 1
+            # Once full, every new session evicts one: a line per eviction would flood the log.
+            if self.evicted_sessions == 1 or self.evicted_sessions % EVICTION_LOG_EVERY == 0:
+                logger.warning(
+                    "%s: session store full (%d); evicted session %s (%d evicted so far, oldest first)",
+                    self.cookie_name,
+                    self.max_sessions,
+                    evicted,
+                    self.evicted_sessions,
+                )
         return session
 
     # --------------------------------------------------------------- dispatch
@@ -227,8 +266,11 @@ class GymServer:
         if handler is None:
             return json_response({"detail": "Method Not Allowed"}, status=405)
         is_health = path in HEALTH_PATHS
-        session = Session(id="") if is_health else self._session_for(request)
-        ctx = RequestContext(request=request, path=path, rollout_id=rollout_id, session=session)
+        if is_health:
+            ctx = RequestContext(request, path, rollout_id, "")
+        else:
+            session_id = request.cookies.get(self.cookie_name) or secrets.token_urlsafe(18)
+            ctx = RequestContext(request, path, rollout_id, session_id, self._open_session)
         try:
             response = await handler(ctx)
         except HttpError as exc:
@@ -242,7 +284,11 @@ class GymServer:
             logger.debug("traceback", exc_info=True)
             response = json_response(repr(exc), status=500)
         if not is_health and not response.prepared:
-            response.set_cookie(self.cookie_name, session.id, httponly=True, samesite="Lax")
+            if COOKIE_VALUE.match(ctx.session_id):
+                # What set_cookie writes for a plain value, without building a SimpleCookie per reply.
+                response.headers.add("Set-Cookie", f"{self.cookie_name}={ctx.session_id}{COOKIE_ATTRIBUTES}")
+            else:
+                response.set_cookie(self.cookie_name, ctx.session_id, httponly=True, samesite="Lax")
         return response
 
 
@@ -292,9 +338,36 @@ async def start_server(
     return RunningServer(url=f"http://{host}:{bound_port}", host=host, port=bound_port, _runner=runner)
 
 
-def serve(server: GymServer, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve ``server`` until interrupted (blocking; for CLIs and ``python -m``)."""
+SERVER_GC_GEN0_THRESHOLD = 20_000
+"""Young-generation GC threshold of a serving process (CPython's default: 700)."""
+
+
+def tune_gc_for_serving() -> None:
+    """Make the cyclic GC cheap for a long-running server process (called by :func:`serve`).
+
+    With C rollouts in flight, their request objects are alive when a young
+    collection runs, so they survive, get promoted and are traversed again by the
+    older collections: per-rollout GC work grows with C (profiled at C=256 vs 32:
+    about half of the agent's extra CPU per rollout; docs/http.md). ``gc.freeze()``
+    moves everything built at start-up (modules, classes, routes) out of the
+    collector's sight, and a larger young threshold lets most per-request objects
+    die (by reference count) before any collection sees them.
+    """
+    gc.freeze()
+    gen0, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(max(gen0, SERVER_GC_GEN0_THRESHOLD), gen1, gen2)
+
+
+def serve(server: GymServer, host: str = "127.0.0.1", port: int = 8000, *, tune_gc: bool = True) -> None:
+    """Serve ``server`` until interrupted (blocking; for CLIs and ``python -m``).
+
+    ``tune_gc`` (default on): this process is a server, so :func:`tune_gc_for_serving`
+    applies (``serve`` owns the process; :func:`start_server`, which runs inside a
+    caller's loop, never touches the GC).
+    """
     logger.info("serving %s on http://%s:%d", server.cookie_name, host, port)
+    if tune_gc:
+        tune_gc_for_serving()
     web.run_app(
         server.make_app(),
         host=host,

@@ -2,8 +2,9 @@
 
 Role: the in-process side of the fixtures: an asyncio loop in a daemon thread for servers that
 outlive one test's event loop, the named-script dispatcher the shared scripted model answers from,
-and how a stack names that model. Kept out of ``conftest.py`` because several ``conftest`` modules
-exist in the repo and ``import conftest`` would be ambiguous.
+how a stack names that model, and the counter scripts and row tagging several test modules use.
+Kept out of ``conftest.py`` because several ``conftest`` modules exist in the repo and
+``import conftest`` would be ambiguous.
 
 Invariants: a request picks its script by ``metadata.script`` only (never by arrival order), so
 concurrent tests and concurrent rollouts never share a script; an unknown script name answers a
@@ -13,12 +14,13 @@ scripted 500 naming it, never a silent default.
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from _genuine import KIND_MODELS, GenuineStack
+from _genuine import KIND_AGENTS, KIND_MODELS, KIND_RESOURCES, GenuineStack, ref
 
 MODEL_NAME = "policy_model"
 
@@ -72,3 +74,35 @@ def model_port(url: str) -> int:
 def add_scripted_model(stack: GenuineStack, url: str) -> None:
     """Name gymbridge's scripted model in a genuine config as ``policy_model`` (not launched)."""
     stack.add(MODEL_NAME, KIND_MODELS, "vllm_model", port=model_port(url), launch=False)
+
+
+def add_genuine_simple_agent(stack: GenuineStack, name: str, resources: str, **config: Any) -> None:
+    """A genuine ``simple_agent`` named ``name`` in front of resources server ``resources``.
+
+    Its policy is the scripted model (:func:`add_scripted_model` names it); ``config`` adds
+    agent settings such as ``max_steps``.
+    """
+    stack.add(
+        name,
+        KIND_AGENTS,
+        "simple_agent",
+        resources_server=ref(KIND_RESOURCES, resources),
+        model_server=ref(KIND_MODELS, MODEL_NAME),
+        **config,
+    )
+
+
+def counter_script(increments: list[int], expected: int) -> list[Any]:
+    """The oracle for a counter row: one ``increment_counter`` per increment, a read, the answer."""
+    return [
+        *({"calls": [{"name": "increment_counter", "arguments": {"count": k}}]} for k in increments),
+        {"calls": [{"name": "get_counter_value", "arguments": {}}]},
+        f"The count is {expected}.",
+    ]
+
+
+def scripted(row: dict[str, Any], name: str) -> dict[str, Any]:
+    """A copy of ``row`` whose model calls answer from script ``name`` (``metadata.script``)."""
+    row = copy.deepcopy(row)
+    row["responses_create_params"]["metadata"] = {"script": name}
+    return row

@@ -28,14 +28,11 @@ from typing import Any
 
 import pytest
 from _genuine import (
-    KIND_AGENTS,
-    KIND_MODELS,
     KIND_RESOURCES,
     GenuineStack,
     gym_venv_problem,
-    ref,
 )
-from _gym_support import MODEL_NAME, ScriptBook, ThreadedLoop, add_scripted_model
+from _gym_support import MODEL_NAME, ScriptBook, ThreadedLoop, add_genuine_simple_agent, add_scripted_model
 
 # environments/ (our example environments) is imported by package name from the repo root.
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -92,23 +89,9 @@ def genuine_stack(scripted_model_url: str, gym_log_root: Path) -> Iterator[Genui
     stack = GenuineStack(gym_log_root / "genuine_stack", with_head=True)
     add_scripted_model(stack, scripted_model_url)
     stack.add("counter", KIND_RESOURCES, "example_session_state_mgmt", domain="agent")
-    stack.add(
-        "counter_agent",
-        KIND_AGENTS,
-        "simple_agent",
-        resources_server=ref(KIND_RESOURCES, "counter"),
-        model_server=ref(KIND_MODELS, MODEL_NAME),
-        max_steps=8,
-    )
+    add_genuine_simple_agent(stack, "counter_agent", "counter", max_steps=8)
     stack.add("circle_click", KIND_RESOURCES, "circle_click", domain="other")
-    stack.add(
-        "circle_click_agent",
-        KIND_AGENTS,
-        "simple_agent",
-        resources_server=ref(KIND_RESOURCES, "circle_click"),
-        model_server=ref(KIND_MODELS, MODEL_NAME),
-        max_steps=1,
-    )
+    add_genuine_simple_agent(stack, "circle_click_agent", "circle_click", max_steps=1)
     stack.start()
     yield stack
     stack.stop()

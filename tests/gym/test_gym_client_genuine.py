@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from _genuine import GenuineStack
-from _gym_support import ScriptBook
+from _gym_support import ScriptBook, counter_script, scripted
 from _oracles import circle_click as circle_click_oracle
 
 pytestmark = pytest.mark.gym
@@ -41,20 +41,6 @@ def counter_row(initial: int, increments: list[int], task_index: int) -> dict[st
         "_ng_task_index": task_index,
         "_ng_rollout_index": 0,
     }
-
-
-def counter_script(increments: list[int], expected: int) -> list[Any]:
-    return [
-        *({"calls": [{"name": "increment_counter", "arguments": {"count": k}}]} for k in increments),
-        {"calls": [{"name": "get_counter_value", "arguments": {}}]},
-        f"The count is {expected}.",
-    ]
-
-
-def scripted(row: dict[str, Any], name: str) -> dict[str, Any]:
-    row = copy.deepcopy(row)
-    row["responses_create_params"]["metadata"] = {"script": name}
-    return row
 
 
 async def collect(url: str, rows: list[dict[str, Any]], concurrency: int = 8) -> list[Any]:

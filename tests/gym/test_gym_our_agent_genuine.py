@@ -4,23 +4,26 @@ Our ``SimpleAgent`` drives genuine ``example_session_state_mgmt`` (session state
 genuine cookie, which our agent must forward by hand) and genuine ``circle_click`` to the expected
 rewards, with the scripted model as the policy. It also checks what our agent sends to the model:
 ``responses_create_params`` exactly as the row gave it plus ``input`` (genuine servers forbid extra
-keys with HTTP 422), and replayed items keep their token fields.
+keys with HTTP 422), and replayed items keep their token fields. With ``rollout_prefix=True`` the
+genuine server receives (seen by a recording pass-through proxy) ``/ng-rollout/<id>/...`` paths and
+still answers them correctly.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import pytest
 from _genuine import GenuineStack
-from _gym_support import ScriptBook, ThreadedLoop
+from _gym_support import ScriptBook, ThreadedLoop, counter_script, scripted
 from _oracles import circle_click as circle_click_oracle
+from aiohttp import web
 
 pytestmark = pytest.mark.gym
 
@@ -56,20 +59,6 @@ def counter_row(initial: int, increments: list[int]) -> dict[str, Any]:
         "initial_count": initial,
         "expected_count": initial + sum(increments),
     }
-
-
-def counter_script(increments: list[int], expected: int) -> list[Any]:
-    return [
-        *({"calls": [{"name": "increment_counter", "arguments": {"count": k}}]} for k in increments),
-        {"calls": [{"name": "get_counter_value", "arguments": {}}]},
-        f"The count is {expected}.",
-    ]
-
-
-def scripted(row: dict[str, Any], name: str) -> dict[str, Any]:
-    row = copy.deepcopy(row)
-    row["responses_create_params"]["metadata"] = {"script": name}
-    return row
 
 
 def post_run(url: str, row: dict[str, Any]) -> httpx.Response:
@@ -145,3 +134,83 @@ def test_our_agent_extra_key_row_stays_out_of_responses_create_params(
     assert r.json()["reward"] == 1.0
     sent = [b for b in scripted_model.requests if (b.get("metadata") or {}).get("script") == name]
     assert sent and all(set(b) <= {"input", "tools", "metadata"} for b in sent)
+
+
+class RecordingProxy:
+    """A pass-through HTTP proxy in front of a genuine server that records every path it forwards."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream.rstrip("/")
+        self.paths: list[str] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._forward)
+        return app
+
+    async def _forward(self, request: web.Request) -> web.Response:
+        self.paths.append(request.path)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("cookie", "content-type")}
+        async with (
+            aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as client,
+            client.request(
+                request.method, self.upstream + request.path_qs, data=await request.read(), headers=headers
+            ) as upstream,
+        ):
+            body = await upstream.read()
+            reply = web.Response(body=body, status=upstream.status, content_type=upstream.content_type)
+            for line in upstream.headers.getall("Set-Cookie", ()):
+                reply.headers.add("Set-Cookie", line)
+            return reply
+
+
+def test_our_agent_rollout_prefix_reaches_genuine_counter(
+    genuine_stack: GenuineStack,
+    scripted_model_url: str,
+    scripted_model: Any,
+    fixture_loop: ThreadedLoop,
+    script_book: ScriptBook,
+) -> None:
+    """``rollout_prefix=True``: every resources call goes to ``/ng-rollout/<id>/...`` and genuine 0.7.0
+    answers them as the bare paths (prefix stripped, cookie session kept), so the reward is still 1."""
+    proxy = RecordingProxy(genuine_stack.url("counter"))
+    proxy_server = fixture_loop.run(server_sdk.start_server(proxy.app()))
+    agent = server_sdk.SimpleAgent(
+        resources_url=proxy_server.url,
+        model_url=scripted_model_url,
+        instance_name="our_agent_prefixed",
+        rollout_prefix=True,
+    )
+    agent_server = fixture_loop.run(server_sdk.start_server(agent))
+    cases = {  # rollout id -> (row identity keys, initial count, increments)
+        "5-1": ({"_ng_task_index": 5, "_ng_rollout_index": 1}, 2, [3]),
+        "ours-prefix-b-a2": ({"_ng_rollout_id": "ours-prefix-b", "_ng_attempt_index": 2}, 4, [1, 1]),
+    }
+    try:
+        for rollout_id, (identity, initial, incs) in cases.items():
+            row = {**counter_row(initial, incs), **identity}
+            name = script_book.add(f"ours-prefix-{rollout_id}", counter_script(incs, row["expected_count"]))
+            proxy.paths.clear()
+            r = post_run(agent_server.url, scripted(row, name))
+            assert r.status_code == 200, r.text[:500]
+            result = r.json()
+            assert result["reward"] == 1.0, result
+            outs = [i["output"] for i in result["response"]["output"] if i["type"] == "function_call_output"]
+            assert outs[-1] == f'{{"count":{row["expected_count"]}}}'  # state kept under the prefix
+            prefix = f"/ng-rollout/{rollout_id}"
+            expected = [
+                f"{prefix}/seed_session",
+                *[f"{prefix}/increment_counter"] * len(incs),
+                f"{prefix}/get_counter_value",
+                f"{prefix}/verify",
+            ]
+            assert proxy.paths == expected
+            model_paths = [
+                p
+                for p, b in zip(scripted_model.request_paths, scripted_model.requests, strict=True)
+                if (b.get("metadata") or {}).get("script") == name
+            ]
+            assert model_paths and all(p == f"{prefix}/v1/responses" for p in model_paths), model_paths
+    finally:
+        fixture_loop.run(agent_server.stop())
+        fixture_loop.run(proxy_server.stop())
