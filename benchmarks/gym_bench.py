@@ -6,7 +6,7 @@ server (gymbridge's ``ScriptedModelServer`` in its own process):
 * ours:    gymbridge ``SimpleAgent``       + gymbridge ``environments/counter``
 * genuine: genuine ``simple_agent`` (0.7.0) + genuine ``example_session_state_mgmt``
 
-The scripted model runs with ``keep_requests`` off (its default keeps every request body, so its
+The scripted model runs with ``keep_requests=False`` (its default keeps every request body, so its
 heap, and its per-call cost, would grow through the run and tax the later, higher-concurrency
 levels of both stacks).
 
@@ -74,8 +74,8 @@ import json, logging, sys
 from gymbridge.server import serve
 from gymbridge.testing.scripted_model import ScriptedModelServer
 logging.basicConfig(level=logging.WARNING)
-server = ScriptedModelServer(json.loads(open(sys.argv[2]).read()))
-server.keep_requests = False  # a benchmark must not keep every request body: the heap would grow per level
+# a benchmark must not keep every request body: the heap would grow per level
+server = ScriptedModelServer(json.loads(open(sys.argv[2]).read()), keep_requests=False)
 serve(server, port=int(sys.argv[1]))
 """
 OURS_AGENT = """

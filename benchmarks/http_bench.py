@@ -43,8 +43,9 @@ async def _serve() -> None:
     app.router.add_post("/echo", echo)
     echo_server = await start_server(app)
     env = await start_server(CounterEnv())
-    model = ScriptedModelServer([{"calls": [{"name": "increment", "arguments": {"amount": 1}}]}, "done"])
-    model.keep_requests = False
+    model = ScriptedModelServer(
+        [{"calls": [{"name": "increment", "arguments": {"amount": 1}}]}, "done"], keep_requests=False
+    )
     await model.start()
     agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url))
     print(json.dumps({"echo": echo_server.url, "agent": agent.url}), flush=True)

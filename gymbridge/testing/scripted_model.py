@@ -131,6 +131,7 @@ class ScriptedModelServer(GymServer):
         model: str = "scripted-model",
         tokenize: Tokenizer = fake_tokenize,
         instance_name: str = "policy_model",
+        keep_requests: bool = True,
     ) -> None:
         super().__init__(instance_name=instance_name)
         self.script = script
@@ -138,7 +139,8 @@ class ScriptedModelServer(GymServer):
         self.tokenize = tokenize
         self.requests: list[dict[str, Any]] = []
         self.request_paths: list[str] = []
-        self.keep_requests = True
+        self.keep_requests = keep_requests
+        """Record every request body and path (for assertions); off for long or out-of-process runs."""
         self.num_calls = 0
         self._running: RunningServer | None = None
         for prefix in ("", "/training-token-capture"):  # genuine agents may add the capture segment
@@ -365,7 +367,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not isinstance(script, list) or not script:
         parser.error(f"{args.script}: expected a non-empty JSON list of script entries")
     logging.basicConfig(level=logging.INFO)
-    serve(ScriptedModelServer(script, model=args.model), host=args.host, port=args.port)
+    # Out of process nobody can read ``.requests``: keeping them would only grow the heap.
+    server = ScriptedModelServer(script, model=args.model, keep_requests=False)
+    serve(server, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

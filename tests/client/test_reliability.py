@@ -140,8 +140,7 @@ async def test_200_concurrent_rollouts_through_the_agent_every_row_accounted(
     ]
     rows = counter_rows(n, seed=7)
     env = await start_server(CounterEnv())
-    model = ScriptedModelServer(script)
-    model.keep_requests = False
+    model = ScriptedModelServer(script, keep_requests=False)
     await model.start()
     agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url))
     tracemalloc.start()
@@ -191,8 +190,7 @@ async def test_200_concurrent_rollouts_across_example_environments_via_head_disc
             return {"calls": [{"name": tool["name"], "arguments": example_arguments(tool["parameters"])}]}
         return {"text": "done"}
 
-    model = ScriptedModelServer(script)
-    model.keep_requests = False
+    model = ScriptedModelServer(script, keep_requests=False)
     await model.start()
     started: list[Any] = []
     config: dict[str, Any] = {}
