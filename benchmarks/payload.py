@@ -182,8 +182,9 @@ def run_config(
     tool: bool,
     tokens_per_image: int,
     repeats: int,
+    results: list[dict[str, Any]],
 ) -> tuple[list[str], str]:
-    """The table lines and the timing line of one (G, variant)."""
+    """The table lines and the timing line of one (G, variant); appends raw numbers to ``results``."""
     variant = "tool" if tool else "single"
     trajs = make_trajectories(tiny, prompts, g, tool, tokens_per_image)
 
@@ -219,6 +220,16 @@ def run_config(
         for name, obj_on, obj_off in rows:
             n_on, n_off = _bytes(obj_on), _bytes(obj_off)
             ratio, ideal = n_off / n_on, _ideal(obj_on)
+            results.append(
+                {
+                    "g": g,
+                    "variant": variant,
+                    "dtype": dtype_name,
+                    "boundary": name,
+                    "ratio": ratio,
+                    "ideal": ideal,
+                }
+            )
             lines.append(
                 f"{g:>3} {variant:<7} {dtype_name:<5} {name:<22} {_fmt(n_off)} {_fmt(n_on)} "
                 f"{ratio:>6.2f}x {ideal:>6.2f}x {100 * ratio / ideal:>7.1f}%"
@@ -227,11 +238,50 @@ def run_config(
     t_pk_on, t_pk_off = _best_interleaved(
         lambda: _pickle_and_copy(on), lambda: _pickle_and_copy(off), repeats, 1
     )
+    results.append(
+        {
+            "g": g,
+            "variant": variant,
+            "boundary": "timing",
+            "pack": (t_on, t_off),
+            "shard": (t_shard_on, t_shard_off),
+        }
+    )
     timing = (
         f"{g:>3} {variant:<7} {1e3 * t_proc:>8.1f} {1e3 * t_off:>9.1f} {1e3 * t_on:>9.1f} "
         f"{1e3 * t_shard_off:>9.1f} {1e3 * t_shard_on:>9.1f} {1e3 * t_pk_off:>10.1f} {1e3 * t_pk_on:>9.1f}"
     )
     return lines, timing
+
+
+def check_targets(results: list[dict[str, Any]], shard_noise: float = 0.10) -> list[tuple[str, bool]]:
+    """The issue's targets as (description, met): ratios against the ideal, dedup-on timings vs off."""
+    checks: list[tuple[str, bool]] = []
+    r2p = [r for r in results if r["boundary"] == "rollout_to_policy"]
+    for r in r2p:
+        if r["g"] == 16 and r["variant"] == "single" and r["dtype"] == "fp32":
+            checks.append(
+                (f"rollout_to_policy G=16 single fp32 {r['ratio']:.2f}x >= 15.5x", r["ratio"] >= 15.5)
+            )
+    if r2p:
+        worst = min(r2p, key=lambda r: r["ratio"] / r["ideal"])
+        share = worst["ratio"] / worst["ideal"]
+        checks.append(
+            (
+                f"rollout_to_policy within 2% of ideal everywhere (worst {100 * share:.2f}%: "
+                f"G={worst['g']} {worst['variant']} {worst['dtype']})",
+                share >= 0.98,
+            )
+        )
+    timings = [r for r in results if r["boundary"] == "timing"]
+    if timings:
+        pack_ok = all(t["pack"][0] <= t["pack"][1] for t in timings)
+        shard_ok = all(t["shard"][0] <= t["shard"][1] * (1 + shard_noise) for t in timings)
+        checks.append(("dedup-on packing no slower than dedup-off (every G, variant)", pack_ok))
+        checks.append(
+            (f"dedup-on sharding no slower than dedup-off (+{100 * shard_noise:.0f}% timer noise)", shard_ok)
+        )
+    return checks
 
 
 def main() -> None:
@@ -262,9 +312,12 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     timings: list[str] = []
+    results: list[dict[str, Any]] = []
     for g in args.groups:
         for tool in (False, True):
-            lines, timing = run_config(tiny, full, args.prompts, g, tool, tokens_per_image, args.repeats)
+            lines, timing = run_config(
+                tiny, full, args.prompts, g, tool, tokens_per_image, args.repeats, results
+            )
             print("\n".join(lines))
             timings.append(timing)
     print()
@@ -281,6 +334,12 @@ def main() -> None:
     print("-" * len(th))
     print("\n".join(timings))
     print(f"({note})")
+    checks = check_targets(results)
+    print("\ntargets (issue 4):")
+    for text, met in checks:
+        print(f"  {'PASS' if met else 'FAIL'}  {text}")
+    if not all(met for _, met in checks):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

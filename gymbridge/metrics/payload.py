@@ -13,15 +13,18 @@ record) and prints a table.
 
 Invariants: ``serialized_bytes == inband_bytes + out_of_band_bytes``;
 ``physical_media_bytes <= logical_media_bytes``; a disabled meter records nothing
-and never serialises.
+and never serialises; one meter may be shared by threads (the smoke launcher records
+``policy_shard`` from the trainer's thread while the event loop records rollouts): the
+totals are updated and read under a lock, the serialisation itself runs outside it.
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gymbridge.tensors.batch import PackedBatch, TrainBatch
@@ -171,6 +174,7 @@ class PayloadMeter:
             b for b in extra_boundaries if b not in BOUNDARIES
         )
         self._totals: dict[str, BoundaryTotals] = {}
+        self._lock = threading.Lock()
 
     def record(self, boundary: str, obj: Any, *, shard: int | None = None) -> PayloadStats | None:
         """Measure ``obj`` at ``boundary``; returns its stats, or ``None`` when the meter is off."""
@@ -179,16 +183,26 @@ class PayloadMeter:
         if not self.enabled:
             return None
         stats = payload_stats(obj)
-        self._totals.setdefault(boundary, BoundaryTotals()).add(stats, shard)
+        with self._lock:
+            self._totals.setdefault(boundary, BoundaryTotals()).add(stats, shard)
         logger.debug("payload %s shard=%s: %d bytes", boundary, shard, stats.serialized_bytes)
         return stats
 
     def report(self) -> dict[str, BoundaryTotals]:
-        """Totals per boundary, in the order of :attr:`boundaries` (only boundaries with records)."""
-        return {b: self._totals[b] for b in self.boundaries if b in self._totals}
+        """Totals per boundary, in the order of :attr:`boundaries` (only boundaries with records).
+
+        The values are snapshots: later records do not change them.
+        """
+        with self._lock:
+            return {
+                b: replace(t, shard_serialized_bytes=dict(t.shard_serialized_bytes))
+                for b in self.boundaries
+                if (t := self._totals.get(b)) is not None
+            }
 
     def reset(self) -> None:
-        self._totals.clear()
+        with self._lock:
+            self._totals.clear()
 
     def table(self) -> str:
         """A fixed-width table: one line per boundary with records."""

@@ -6,7 +6,8 @@
 over the tensor's bytes (protocol >= 5: out of band, zero-copy on CPU) or plain
 ``bytes`` (older protocols). Rebuilt tensors view the received buffer without a copy
 when they can; such tensors are read-only by contract (every segment of a
-``PackedTensor`` is), so a non-writable buffer is not copied.
+``PackedTensor`` is), so a non-writable buffer is not copied, except for tensors rebuilt
+with ``writable=True`` (a ``TrainBatch``'s per-row tensors, small and editable in place).
 
 Invariants: ``_rebuild_tensor(*_tensor_payload(t, p))`` equals ``t`` in dtype, shape,
 values and device type for every protocol ``p``; bf16 and other dtypes numpy lacks
@@ -44,7 +45,15 @@ def _tensor_payload(t: torch.Tensor, protocol: int) -> TensorPayload:
     return buffer, str(t.dtype), tuple(t.shape), device
 
 
-def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
+def _rebuild_tensor(
+    buffer: Any, dtype_name: str, shape: tuple[int, ...], device: str, *, writable: bool = False
+) -> torch.Tensor:
+    """The tensor of a payload, viewing ``buffer`` without a copy.
+
+    ``writable=True`` (per-row tensors a consumer may edit in place) copies out of a
+    read-only buffer (Ray's object store, shared memory): writing through a view of it
+    would corrupt memory the receiver does not own.
+    """
     dtype = _dtype_from_name(dtype_name)
     numel = 1
     for d in shape:
@@ -62,4 +71,6 @@ def _rebuild_tensor(buffer: Any, dtype_name: str, shape: tuple[int, ...], device
         # A receiver without that device keeps the data on CPU rather than failing to load.
         with contextlib.suppress(RuntimeError, AssertionError):
             out = out.to(device)
+    if writable and numel and out.device.type == "cpu" and memoryview(buffer).readonly:
+        out = out.clone()  # still a view of the read-only buffer (a device move would have copied)
     return out

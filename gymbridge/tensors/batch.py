@@ -38,7 +38,7 @@ import torch
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.tensors._serial import _rebuild_tensor, _tensor_payload
-from gymbridge.tensors.packed import IndexLike, PackedTensor, _as_index
+from gymbridge.tensors.packed import IndexLike, PackedTensor, _as_index, _repeat_index
 
 if TYPE_CHECKING:
     from gymbridge.tensors.processor import MediaLike, MediaProcessor, ProcessedMedia
@@ -280,9 +280,7 @@ class TrainBatch:
 
     def repeat_interleave(self, repeats: int | torch.Tensor) -> TrainBatch:
         """Repeat each row ``repeats`` times (int or int64 ``[B]``); media rows share segments."""
-        rows = torch.arange(len(self), dtype=torch.int64)
-        reps = repeats.to("cpu", torch.int64) if isinstance(repeats, torch.Tensor) else int(repeats)
-        return self.select(torch.repeat_interleave(rows, reps))
+        return self.select(_repeat_index(repeats, len(self)))
 
     def trim(self) -> TrainBatch:
         """Drop trailing columns that are padding in every row."""
@@ -329,8 +327,12 @@ class TrainBatch:
             if name in pads:
                 parts = [_pad_cols(p, length, pads[name]) for p in parts]
             kw[name] = torch.cat(parts)
+        # A part without key k gets empty rows with the other parts' pack_dim (cat refuses a mismatch).
+        pack_dims = {k: next(b.media[k].pack_dim for b in batches if k in b.media) for k in keys}
         media = {
-            k: PackedTensor.cat([b.media[k] if k in b.media else PackedTensor.empty(len(b)) for b in batches])
+            k: PackedTensor.cat(
+                [b.media[k] if k in b.media else PackedTensor.empty(len(b), pack_dims[k]) for b in batches]
+            )
             for k in keys
         }
         meta = tuple(m for b in batches for m in b.metadata)
@@ -566,7 +568,9 @@ def _dataclass_state(obj: Any, protocol: int) -> dict[str, Any]:
 
 def _rebuild_dataclass(cls: type[Any], state: dict[str, Any]) -> Any:
     kw = {
-        k: _rebuild_tensor(*v[1]) if isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor" else v
+        k: _rebuild_tensor(*v[1], writable=True)
+        if isinstance(v, tuple) and len(v) == 2 and v[0] == "tensor"
+        else v
         for k, v in state.items()
     }
     return cls(**kw)

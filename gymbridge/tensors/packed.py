@@ -79,7 +79,10 @@ def _as_index(index: IndexLike, length: int) -> torch.Tensor:
     tensor; a bool sequence is a mask over all rows.
     """
     if isinstance(index, slice):
-        return torch.arange(length, dtype=torch.int64)[index]
+        picked = range(*index.indices(length))  # any step, negative ones included, like a list
+        if not picked:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.arange(picked.start, picked.stop, picked.step, dtype=torch.int64)
     if isinstance(index, torch.Tensor):
         idx = index.detach().to("cpu")
     else:
@@ -102,6 +105,30 @@ def _as_index(index: IndexLike, length: int) -> torch.Tensor:
             raise IndexError(f"row index out of range for {length} rows (got {lo if lo < -length else hi})")
         idx = torch.where(idx < 0, idx + length, idx)
     return idx
+
+
+def _repeat_index(repeats: int | torch.Tensor, length: int) -> torch.Tensor:
+    """Row positions ``[sum(repeats)]`` repeating each of ``length`` rows ``repeats`` times.
+
+    ``repeats`` is an int or an integer tensor with one count per row (or a single count);
+    negative or mis-sized counts raise ``ValueError``.
+    """
+    rows = torch.arange(length, dtype=torch.int64)
+    if not isinstance(repeats, torch.Tensor):
+        count = int(repeats)
+        if count < 0:
+            raise ValueError(f"repeats must be >= 0, got {count}")
+        return torch.repeat_interleave(rows, count)
+    if repeats.is_floating_point() or repeats.is_complex():
+        raise ValueError(f"repeats must be integers, got {repeats.dtype}")
+    reps = repeats.detach().to("cpu", torch.int64).reshape(-1)
+    if reps.numel() == 1:
+        reps = reps.expand(length)
+    if reps.numel() != length:
+        raise ValueError(f"repeats has {reps.numel()} counts for {length} rows")
+    if length and int(reps.min()) < 0:
+        raise ValueError(f"repeats must be >= 0, got {int(reps.min())}")
+    return torch.repeat_interleave(rows, reps, output_size=int(reps.sum()))
 
 
 def _gather(
@@ -363,12 +390,7 @@ class PackedTensor:
 
     def repeat_interleave(self, repeats: int | torch.Tensor) -> PackedTensor:
         """Repeat each row ``repeats`` times (int or int64 ``[R]``), like ``torch.repeat_interleave``."""
-        rows = torch.arange(len(self), dtype=torch.int64)
-        if isinstance(repeats, torch.Tensor):
-            return self.select(torch.repeat_interleave(rows, repeats.to("cpu", torch.int64)))
-        if repeats < 0:
-            raise ValueError(f"repeats must be >= 0, got {repeats}")
-        return self.select(torch.repeat_interleave(rows, int(repeats)))
+        return self.select(_repeat_index(repeats, len(self)))
 
     def compact(self) -> PackedTensor:
         """The same rows without segments no row references."""

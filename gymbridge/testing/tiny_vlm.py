@@ -19,13 +19,15 @@ Invariants:
   ``grid_t * grid_h * grid_w // merge_size**2`` pad tokens, in order, so the token
   stream always agrees with ``image_grid_thw``;
 * ``build_tiny_vlm(seed)`` is cached per process: the same seed returns the same
-  object (treat it as read-only; ``copy.deepcopy(tiny.model)`` before training it).
+  object, also to concurrent callers (treat it as read-only; ``copy.deepcopy(tiny.model)``
+  before training it).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -310,9 +312,21 @@ class TinyVLM:
     im_start_token_id: int
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()
+
+
 def build_tiny_vlm(seed: int = 0) -> TinyVLM:
-    """Build (once per process and seed) the tiny offline Qwen2-VL; see the module docstring."""
+    """Build (once per process and seed) the tiny offline Qwen2-VL; see the module docstring.
+
+    Thread-safe: concurrent callers wait for one build (``functools.cache`` alone lets each
+    build its own, and seeding the global RNG from two threads mixes their weights).
+    """
+    with _BUILD_LOCK:
+        return _build_tiny_vlm(seed)
+
+
+@functools.cache
+def _build_tiny_vlm(seed: int) -> TinyVLM:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     tokenizer = build_tiny_tokenizer()

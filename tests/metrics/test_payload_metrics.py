@@ -68,3 +68,24 @@ def test_meter_per_boundary_and_per_shard_totals() -> None:
     assert len(table.splitlines()) == 4
     meter.reset()
     assert meter.report() == {}
+
+
+def test_two_containers_sharing_a_segment_each_ship_it() -> None:
+    """The docstring's rule: a segment shared by two containers is counted (and sent) once per container."""
+    pt = _group(4, 4096)
+    shard = pt.select([0])  # a second PackedTensor over the same segment
+    stats = payload_stats([pt, shard])
+    assert stats.physical_media_bytes == 2 * 4096 and stats.logical_media_bytes == 5 * 4096
+    assert stats.out_of_band_bytes >= 2 * 4096  # what pickle really sends matches the count
+
+
+def test_regression_report_is_a_snapshot() -> None:
+    """``report()`` handed out the meter's live totals: a report kept for step N kept growing
+    with step N+1's records (and could be read mid-update from another thread)."""
+    meter = PayloadMeter(enabled=True)
+    meter.record("policy_shard", _group(2, 1024), shard=0)
+    step_n = meter.report()
+    meter.record("policy_shard", _group(2, 1024), shard=0)
+    assert step_n["policy_shard"].records == 1
+    assert step_n["policy_shard"].shard_serialized_bytes[0] == step_n["policy_shard"].serialized_bytes
+    assert meter.report()["policy_shard"].records == 2

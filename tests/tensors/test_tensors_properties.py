@@ -26,7 +26,14 @@ ops = st.lists(
         st.tuples(st.just("repeat_each"), st.lists(st.integers(0, 2), min_size=0, max_size=8)),
         st.tuples(st.just("select"), st.lists(st.integers(-50, 50), max_size=8)),
         st.tuples(st.just("slice"), st.integers(-4, 4), st.integers(-4, 8)),
+        st.tuples(
+            st.just("slice_step"),
+            st.none() | st.integers(-8, 8),
+            st.none() | st.integers(-8, 8),
+            st.sampled_from([-3, -2, -1, 1, 2, 3]),
+        ),
         st.tuples(st.just("cat_self"), st.lists(st.integers(0, 50), max_size=5)),
+        st.tuples(st.just("cat_copies"), st.lists(st.integers(0, 50), max_size=5)),
         st.tuples(st.just("shard_pick"), st.integers(1, 4), st.integers(0, 3)),
         st.tuples(st.just("shard_cat"), st.integers(1, 4)),
         st.tuples(st.just("to_dtype"), st.sampled_from([torch.float64, torch.bfloat16, torch.float32])),
@@ -70,6 +77,17 @@ def _apply(op: tuple[Any, ...], pt: PackedTensor, ref: Ref) -> tuple[PackedTenso
     if name == "slice":
         sl = slice(op[1], op[2])
         return pt[sl], ref[sl]
+    if name == "slice_step":
+        sl = slice(op[1], op[2], op[3])
+        return pt[sl], ref[sl]
+    if name == "cat_copies":
+        # separately loaded copies (new objects, equal provenance) merge into the existing segments
+        idx = [i % n for i in op[1]] if n else []
+        copies = PackedTensor.from_rows(
+            [[t.clone() for t in pt.row(i)] for i in idx],
+            [[pt.provenance[int(j)] for j in pt.refs[pt.offsets[i] : pt.offsets[i + 1]]] for i in idx],
+        )
+        return PackedTensor.cat([pt, copies]), ref + [ref[i] for i in idx]
     if name == "cat_self":
         idx = [i % n for i in op[1]] if n else []
         return PackedTensor.cat([pt, pt.select(idx)]), ref + [ref[i] for i in idx]
@@ -131,9 +149,12 @@ def test_random_op_sequences_match_list_reference(
     pt = PackedTensor.from_rows(tensor_rows, prov)
     off = PackedTensor.from_rows(tensor_rows, prov, dedup=False)
     assert pt.num_segments == len({i for row in rows for i in row})
+    # The reference comes from the inputs, not from pt: pool tensors and their ids. Without
+    # explicit provenance, the id minted for a pool tensor is found by object identity (the
+    # very object must be the stored segment: same object in several rows -> stored once).
+    minted = {id(seg): pid for seg, pid in zip(pt.segments, pt.provenance, strict=True)}
     ref: Ref = [
-        [(pt.segments[int(j)], pt.provenance[int(j)]) for j in pt.refs[pt.offsets[r] : pt.offsets[r + 1]]]
-        for r in range(len(rows))
+        [(pool[i], f"p{i}" if explicit_provenance else minted[id(pool[i])]) for i in row] for row in rows
     ]
     off_ref: Ref = [[(t, "") for t, _ in row] for row in ref]
     assert off.num_segments == off.num_refs  # dedup off: one copied segment per reference

@@ -90,3 +90,25 @@ def test_seed_changes_weights() -> None:
     a = build_tiny_vlm(0).model.lm_head.weight
     b = build_tiny_vlm(1).model.lm_head.weight
     assert not torch.equal(a, b)
+
+
+def test_regression_concurrent_builds_return_one_cached_object() -> None:
+    """``functools.cache`` does not lock: two threads building the same seed at once each built
+    (and seeded the global RNG for) their own model, breaking "same seed -> same object" and
+    drawing both models' weights from one interleaved random stream."""
+    import threading
+
+    seed = 4242  # unused elsewhere: both threads miss the cache
+    barrier = threading.Barrier(2)
+    got: list[object] = []
+
+    def build() -> None:
+        barrier.wait()
+        got.append(build_tiny_vlm(seed))
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(got) == 2 and got[0] is got[1]
