@@ -9,8 +9,14 @@ hands each group to the wrapped generator as one call.
 Invariants: every request gets exactly its own result or its own exception (a
 failing batch is retried row by row, so one bad row cannot fail its neighbours);
 results keep request order within a group; a failing group does not affect other
-groups; the worker task starts lazily on the running loop and stops with
-:meth:`aclose`.
+groups; ``codec``, ``max_model_len`` and ``model_name`` of the wrapped generator are
+exposed, so a wrapped generator serves wherever the bare one does; the worker task
+starts lazily on the running loop and stops with :meth:`aclose`, which cancels every
+request still waiting (queued or in flight), so no caller awaits a future nobody resolves.
+
+A backend that batches concurrent calls itself (vLLM's continuous batching) sets
+``continuous_batching = True``; wrapping it would hold every new request until the
+slowest of the current batch finishes, so :func:`needs_batching` says not to.
 """
 
 from __future__ import annotations
@@ -26,7 +32,16 @@ from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BatchingGenerator"]
+__all__ = ["BatchingGenerator", "needs_batching"]
+
+
+def needs_batching(generator: Generator) -> bool:
+    """Whether ``generator`` gains from a :class:`BatchingGenerator` in front of it.
+
+    False for one already batching and for a backend that batches concurrent calls itself
+    (``continuous_batching = True``, e.g. vLLM).
+    """
+    return not (isinstance(generator, BatchingGenerator) or getattr(generator, "continuous_batching", False))
 
 
 @dataclass(slots=True)
@@ -48,8 +63,13 @@ class BatchingGenerator:
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._in_flight: list[_Pending] = []
         self.batches_run = 0
         self.rows_run = 0
+        # what the model server and native rollouts read off a generator: the inner one's
+        for attr in ("codec", "max_model_len", "model_name"):
+            if hasattr(inner, attr):
+                setattr(self, attr, getattr(inner, attr))
 
     def _ensure_worker(self) -> asyncio.Queue[_Pending]:
         loop = asyncio.get_running_loop()
@@ -71,6 +91,7 @@ class BatchingGenerator:
     async def _run(self, queue: asyncio.Queue[_Pending]) -> None:
         while True:
             batch = [await queue.get()]
+            self._in_flight = batch  # taken off the queue: aclose must still find these
             deadline = asyncio.get_running_loop().time() + self.window_s
             while len(batch) < self.max_batch_size:
                 timeout = deadline - asyncio.get_running_loop().time()
@@ -112,9 +133,18 @@ class BatchingGenerator:
                 p.future.set_result(r)
 
     async def aclose(self) -> None:
-        """Stop the worker task (pending requests are cancelled)."""
+        """Stop the worker task; every request still waiting (queued or in flight) is cancelled."""
         if self._worker is not None and self._loop is asyncio.get_running_loop():
             self._worker.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._worker
+        stranded = list(self._in_flight)
+        if self._queue is not None:
+            while not self._queue.empty():
+                stranded.append(self._queue.get_nowait())
+        for p in stranded:
+            if not p.future.done():
+                p.future.cancel()
+        self._in_flight = []
+        self._queue = None
         self._worker = None

@@ -203,10 +203,13 @@ def _token_prefix(obj: Mapping[str, Any], where: str) -> list[int] | None:
         return None
     if not (isinstance(prompt, list) and isinstance(gen, list)):
         raise ProtocolError(f"{where}: prompt_token_ids and generation_token_ids must both be lists of ints")
-    try:
-        return [int(t) for t in prompt] + [int(t) for t in gen]
-    except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"{where}: token ids must be integers") from exc
+    ids = [*prompt, *gen]
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ProtocolError(f"{where}: token ids must be integers")
+    negative = next((t for t in ids if t < 0), None)
+    if negative is not None:
+        raise ProtocolError(f"{where}: token id {negative} is negative")
+    return ids
 
 
 def _arguments_str(arguments: Any) -> str:
@@ -230,7 +233,10 @@ def chat_to_messages(messages: Any, *, policy: MediaPolicy | None = None) -> lis
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
                 msg.reasoning.append(reasoning)
-            for j, tc in enumerate(m.get("tool_calls") or []):
+            tool_calls = m.get("tool_calls") or []
+            if not isinstance(tool_calls, list):
+                raise ProtocolError(f"{where}: tool_calls must be a list")
+            for j, tc in enumerate(tool_calls):
                 fn = tc.get("function") if isinstance(tc, Mapping) else None
                 if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
                     raise ProtocolError(f"{where}.tool_calls[{j}] needs function.name")
@@ -270,6 +276,8 @@ def responses_to_messages(
         items = input_items
     else:
         raise ProtocolError("'input' must be a string or a list of items")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ProtocolError("'instructions' must be a string")
     out: list[ChatMessage] = []
     if instructions:
         out.append(ChatMessage(role="system", parts=[instructions]))
@@ -292,7 +300,10 @@ def responses_to_messages(
             a.parts.extend(_parts_from_content(item.get("content"), policy, where))
         elif kind == "reasoning":
             a = assistant()
-            texts = [s.get("text", "") for s in item.get("summary") or [] if isinstance(s, Mapping)]
+            summary = item.get("summary") or []
+            if not isinstance(summary, list):
+                raise ProtocolError(f"{where}: reasoning summary must be a list")
+            texts = [s.get("text", "") for s in summary if isinstance(s, Mapping)]
             a.reasoning.extend(t for t in texts if t)
         elif kind == "function_call":
             a = assistant()
@@ -335,6 +346,8 @@ def responses_to_messages(
 
 def responses_tools_to_chat(tools: Any) -> list[dict[str, Any]]:
     """Responses ``tools`` (flat function specs) -> Chat Completions tools ``{type, function}``."""
+    if tools is not None and not isinstance(tools, list):
+        raise ProtocolError("'tools' must be a list")
     out: list[dict[str, Any]] = []
     for i, t in enumerate(tools or []):
         if not isinstance(t, Mapping):

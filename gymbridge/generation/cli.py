@@ -55,6 +55,10 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 def build_generator(args: argparse.Namespace) -> Any:
     """The generator the arguments name."""
     reasoning = not args.no_reasoning_parser
+    if args.tiny and args.backend != "hf":
+        from gymbridge.errors import ConfigError
+
+        raise ConfigError(["--tiny is the transformers model: it runs on --backend hf only"])
     if args.tiny:
         from gymbridge.generation.hf import HFGenerator
 

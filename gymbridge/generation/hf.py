@@ -11,6 +11,8 @@ local path (:meth:`HFGenerator.from_pretrained`).
 Invariants:
 
 * requests are batched (left padding, up to ``max_batch_size`` rows per forward);
+  ``max_tokens`` is lowered per row to what that row's context leaves, never to the
+  room of the longest row of the call;
   one ``generate`` call runs at a time (a lock), off the event loop (a thread);
 * ``logprobs`` are log-softmax of the logits **after** the temperature and top-p
   warpers (the sampling distribution actually used; no top-k, no penalties), or of
@@ -18,7 +20,10 @@ Invariants:
   them by a teacher-forced forward pass to ~1e-6;
 * a row whose placeholder count disagrees with its images (a stale prompt, a
   missing image) is refused with ``ProtocolError`` before any model work;
-* ``seed`` seeds a forked RNG for the batch, so the global torch RNG is untouched;
+* every forward chunk runs under a forked, freshly seeded RNG, so the global torch RNG is
+  untouched: with ``seed`` the chunk seeds derive from it (reproducible for a given batch
+  composition; chunks never replay each other); without, each chunk draws fresh entropy, so
+  unseeded calls never repeat one another's samples;
 * media placeholder and vision boundary tokens (``image_token_id``, ``video_token_id``,
   ``vision_start_token_id``, ``vision_end_token_id`` of the model config, plus any
   ``suppress_token_ids`` given) are **never sampled**: their logits are set to ``-inf``
@@ -37,8 +42,10 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
+import random
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -106,9 +113,14 @@ class HFGenerator:
             sorted(set(media_special_token_ids(model.config)) | set(suppress_token_ids or ()))
         )
         """Ids never sampled (logits masked to ``-inf``); the trainer must mask the same ids."""
+        embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
+        """Rows of the input embedding: a prompt id outside ``[0, vocab_size)`` is refused."""
         self._wants_mm_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
+        # seeds of unseeded calls (the global torch RNG is forked per call, so cannot serve)
+        self._entropy = random.SystemRandom()
 
     @classmethod
     def tiny(cls, seed: int = 0, **kwargs: Any) -> HFGenerator:
@@ -172,19 +184,56 @@ class HFGenerator:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
-        if not inputs:
-            return []
-        longest = max(len(i.prompt_token_ids) for i in inputs)
-        sampling = fit_max_tokens(longest, sampling, self.max_model_len)
-        out: list[Generation] = []
-        for start in range(0, len(inputs), self.max_batch_size):
-            chunk = list(inputs[start : start + self.max_batch_size])
-            out.extend(await asyncio.to_thread(self._generate_locked, chunk, sampling))
-        return out
+        # each row's max_tokens is lowered to its own room only: rows sharing a forward pass
+        # share one GenerationConfig, so rows are grouped by their fitted sampling
+        groups: dict[SamplingConfig, list[int]] = {}
+        for index, inp in enumerate(inputs):
+            fitted = fit_max_tokens(len(inp.prompt_token_ids), sampling, self.max_model_len)
+            groups.setdefault(fitted, []).append(index)
+        out: list[Generation | None] = [None] * len(inputs)
+        chunk_index = 0
+        for fitted, indices in groups.items():
+            for start in range(0, len(indices), self.max_batch_size):
+                chunk = indices[start : start + self.max_batch_size]
+                seed = self._chunk_seed(sampling.seed, chunk_index)
+                chunk_index += 1
+                gens = await asyncio.to_thread(
+                    self._generate_locked, [inputs[i] for i in chunk], fitted, seed
+                )
+                for i, gen in zip(chunk, gens, strict=True):
+                    out[i] = gen
+        return [g for g in out if g is not None]
 
-    def _generate_locked(self, inputs: list[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+    def _chunk_seed(self, seed: int | None, chunk_index: int) -> int:
+        """The RNG seed of one forward chunk of a ``generate`` call.
+
+        Unseeded calls draw fresh entropy (the global RNG is forked and restored around each
+        chunk, so it cannot carry randomness from one call to the next); seeded calls give
+        chunk 0 the seed itself and later chunks seeds derived from it, so rows of different
+        chunks never replay each other's random stream.
+        """
+        if seed is None:
+            return self._entropy.getrandbits(63)
+        if chunk_index == 0:
+            return seed
+        digest = hashlib.blake2b(f"{seed}/{chunk_index}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") >> 1
+
+    def _generate_locked(
+        self, inputs: list[GenerationInput], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
         with self._lock:
-            return self._generate_sync(inputs, sampling)
+            return self._generate_sync(inputs, sampling, seed)
+
+    def check_token_ids(self, token_ids: Sequence[int], where: str) -> None:
+        """``ProtocolError`` unless every id indexes the model's embedding (a bad id would crash it)."""
+        bad = next(
+            (t for t in token_ids if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)), None
+        )
+        if bad is not None:
+            raise ProtocolError(
+                f"{where}: token id {bad} is out of range [0, {self.vocab_size}) for this model's vocabulary"
+            )
 
     def media_kwargs(self, inputs: Sequence[GenerationInput]) -> dict[str, Any]:
         """Model inputs for the rows' media (``pixel_values``, ``image_grid_thw``), placeholder-checked."""
@@ -264,7 +313,9 @@ class HFGenerator:
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, **common
         )
 
-    def _generate_sync(self, inputs: list[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+    def _generate_sync(
+        self, inputs: list[GenerationInput], sampling: SamplingConfig, seed: int
+    ) -> list[Generation]:
         media = self.media_kwargs(inputs)
         longest = max(len(i.prompt_token_ids) for i in inputs)
         device = self.model.device
@@ -274,32 +325,33 @@ class HFGenerator:
             n = len(inp.prompt_token_ids)
             if n == 0:
                 raise ProtocolError(f"input {r}: empty prompt")
+            self.check_token_ids(inp.prompt_token_ids, f"input {r}")
             ids[r, longest - n :] = torch.tensor(inp.prompt_token_ids, dtype=torch.long)
             mask[r, longest - n :] = 1
         config = self._generation_config(sampling)
         stops = set(config.eos_token_id)
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
-            if sampling.seed is not None:
-                torch.manual_seed(sampling.seed)
+            torch.manual_seed(seed)
             out = self.model.generate(**self.model_inputs(ids, mask, media), generation_config=config)
-        new_tokens = out.sequences[:, longest:].cpu()
         steps = len(out.scores)
-        logps = torch.stack(
-            [torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1
-        ).cpu()  # [B, T, V]
+        new_tokens = out.sequences[:, longest : longest + steps]  # [B, T]
+        # the sampled token's logprob, step by step: never a [B, T, V] copy (tens of GB for a
+        # real vocabulary at B=64, T=1024) and only [B, T] numbers leave the device
+        logps = torch.cat(
+            [
+                torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t : t + 1].to(s.device))
+                for t, s in enumerate(out.scores)
+            ],
+            dim=1,
+        )  # [B, T]
+        token_rows: list[list[int]] = new_tokens.cpu().tolist()
+        logp_rows: list[list[float]] = logps.cpu().tolist()
         results: list[Generation] = []
-        for r, inp in enumerate(inputs):
-            toks: list[int] = []
-            lps: list[float] = []
-            finish: FinishReason = "length"
-            for t in range(steps):
-                tok = int(new_tokens[r, t])
-                toks.append(tok)
-                lps.append(float(logps[r, t, tok]))
-                if tok in stops:
-                    finish = "stop"
-                    break
-            results.append(Generation(toks, lps, finish, list(inp.prompt_token_ids)))
+        for inp, row_tokens, row_logps in zip(inputs, token_rows, logp_rows, strict=True):
+            end = next((t + 1 for t, tok in enumerate(row_tokens) if tok in stops), None)
+            finish: FinishReason = "length" if end is None else "stop"
+            n = steps if end is None else end
+            results.append(Generation(row_tokens[:n], row_logps[:n], finish, list(inp.prompt_token_ids)))
         logger.debug("generated %d rows, %d steps", len(inputs), steps)
         return results
 
@@ -321,7 +373,10 @@ class HFGenerator:
         self, inp: GenerationInput, continuation: Sequence[int], sampling: SamplingConfig
     ) -> list[float]:
         """Teacher-forced logprobs of ``continuation`` after ``inp``'s prompt, under ``sampling``."""
+        if not inp.prompt_token_ids:
+            raise ProtocolError("scored input: empty prompt (nothing to condition the continuation on)")
         full = list(inp.prompt_token_ids) + list(continuation)
+        self.check_token_ids(full, "scored input")
         media = self.media_kwargs([inp])
         ids = torch.tensor([full], dtype=torch.long)
         with torch.no_grad():

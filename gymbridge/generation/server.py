@@ -22,7 +22,8 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
 Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
 under the server's ``MediaPolicy``; ``n`` must be 1; concurrent requests are
-batched into the generator (:class:`BatchingGenerator`); every bad request gets a
+batched into the generator (:class:`BatchingGenerator`, unless the backend batches
+concurrent calls itself, like vLLM); every bad request gets a
 4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``
 and is logged, never a crash; unexpected failures are a 500 with the same shape.
 """
@@ -30,6 +31,7 @@ and is logged, never a crash; unexpected failures are a 500 with the same shape.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import re
 import time
@@ -42,7 +44,7 @@ import orjson
 from aiohttp import web
 
 from gymbridge.errors import MediaError, MediaFetchError, ProtocolError
-from gymbridge.generation.batching import BatchingGenerator
+from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import (
     ChatCodec,
     ChatMessage,
@@ -104,6 +106,22 @@ def _number(body: Mapping[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
+def _chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    tools = body.get("tools")
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise _BadRequest("'tools' must be a list of objects")
+    return [dict(t) for t in tools]
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise _BadRequest("'chat_template_kwargs' must be an object")
+    return kwargs
+
+
 def _int_or_none(body: Mapping[str, Any], *keys: str) -> int | None:
     for key in keys:
         value = body.get(key)
@@ -133,17 +151,20 @@ class ModelServer:
         codec = codec if codec is not None else getattr(generator, "codec", None)
         if not isinstance(codec, ChatCodec):
             raise ValueError("the model server needs a ChatCodec: pass codec= or use a generator with .codec")
-        self.codec = codec
+        # a copy: the server's reasoning-parser setting must not change the generator's codec,
+        # which native rollouts over the same generator also use
+        self.codec = copy.copy(codec)
         self.config = config or ModelServerConfig(
             model_name=str(getattr(generator, "model_name", "gymbridge-model")),
             max_model_len=int(getattr(generator, "max_model_len", 4096)),
+            reasoning_parser=codec.reasoning_parser,
         )
         self.codec.reasoning_parser = self.config.reasoning_parser
         self.generator: Generator = (
             BatchingGenerator(
                 generator, max_batch_size=self.config.max_batch_size, window_s=self.config.batch_window_s
             )
-            if self.config.batching
+            if self.config.batching and needs_batching(generator)
             else generator
         )
         if media_policy is None:
@@ -254,14 +275,16 @@ class ModelServer:
         if stop:
             raise _BadRequest("'stop' strings are not supported; use 'stop_token_ids'")
         stop_ids = body.get("stop_token_ids") or []
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        if not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+        ):
             raise _BadRequest("'stop_token_ids' must be a list of integers")
         seed = _int_or_none(body, "seed")
         try:
             return SamplingConfig(
                 temperature=_number(body, "temperature", 1.0),
                 top_p=_number(body, "top_p", 1.0),
-                max_tokens=min(max_tokens or self.config.default_max_tokens, room),
+                max_tokens=min(self.config.default_max_tokens if max_tokens is None else max_tokens, room),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,
             )
@@ -319,11 +342,10 @@ class ModelServer:
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if "messages" in body:
-            tools = list(body.get("tools") or [])
             inp = await self._prepare(
                 lambda: chat_to_messages(body["messages"], policy=self.media_policy),
-                tools,
-                body.get("chat_template_kwargs"),
+                _chat_tools(body),
+                _template_kwargs(body),
             )
             prompt = inp.prompt_token_ids
         elif isinstance(body.get("prompt"), str):
@@ -336,11 +358,10 @@ class ModelServer:
         body = await self._body(request)
         if body.get("n") not in (None, 1):
             raise _BadRequest("n must be 1: this server returns one choice with its token ids")
-        tools = list(body.get("tools") or [])
         inp = await self._prepare(
             lambda: chat_to_messages(body.get("messages"), policy=self.media_policy),
-            tools,
-            body.get("chat_template_kwargs"),
+            _chat_tools(body),
+            _template_kwargs(body),
         )
         prompt = inp.prompt_token_ids
         sampling = self._sampling(

@@ -128,6 +128,9 @@ class VLLMGenerator:
     ``load_processor=False``.
     """
 
+    continuous_batching = True
+    """vLLM batches concurrent requests itself: no :class:`BatchingGenerator` in front of it."""
+
     def __init__(
         self,
         model: str,
@@ -208,12 +211,10 @@ class VLLMGenerator:
         return generation_from_output(final)
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
-        if not inputs:
-            return []
-        longest = max(len(i.prompt_token_ids) for i in inputs)
-        sampling = fit_max_tokens(longest, sampling, self.max_model_len)
+        # each row's max_tokens is fitted to its own room (checked for all rows before any request)
+        fitted = [fit_max_tokens(len(i.prompt_token_ids), sampling, self.max_model_len) for i in inputs]
         # vLLM batches concurrent requests itself (continuous batching).
-        return list(await asyncio.gather(*(self._one(i, sampling) for i in inputs)))
+        return list(await asyncio.gather(*(self._one(i, s) for i, s in zip(inputs, fitted, strict=True))))
 
     async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
         """Load new policy weights into every worker, then drop the prefix cache. Returns tensors loaded."""

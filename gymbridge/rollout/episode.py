@@ -45,7 +45,7 @@ from gymbridge.errors import (
     ProtocolError,
     TrajectoryError,
 )
-from gymbridge.generation.batching import BatchingGenerator
+from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
 from gymbridge.generation.outputs import response_items
 from gymbridge.generation.types import ContextLengthError, Generator, SamplingConfig
@@ -66,6 +66,29 @@ logger = logging.getLogger(__name__)
 __all__ = ["EpisodeMode", "NativeModel", "run_episode", "run_group"]
 
 EpisodeMode = Literal["auto", "tools", "gymnasium"]
+
+
+def _row_sampling(rcp: Mapping[str, Any], default_max_tokens: int) -> SamplingConfig:
+    """The row's ``temperature`` / ``top_p`` / ``max_output_tokens``; a bad value is ``ProtocolError``."""
+    values: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "max_tokens": default_max_tokens}
+    for key, field in (
+        ("temperature", "temperature"),
+        ("top_p", "top_p"),
+        ("max_output_tokens", "max_tokens"),
+    ):
+        value = rcp.get(key)
+        if value is None:
+            continue
+        integral = field == "max_tokens"
+        if isinstance(value, bool) or not isinstance(value, int if integral else int | float):
+            raise ProtocolError(
+                f"responses_create_params.{key} must be {'an integer' if integral else 'a number'}"
+            )
+        values[field] = value if integral else float(value)
+    try:
+        return SamplingConfig(**values)
+    except ValueError as exc:
+        raise ProtocolError(f"responses_create_params: {exc}") from exc
 
 
 class NativeModel:
@@ -95,14 +118,7 @@ class NativeModel:
         self.inputs: list[Any] = []
 
     def _sampling_for(self, rcp: Mapping[str, Any], prompt_len: int) -> SamplingConfig:
-        if self.sampling is not None:
-            base = self.sampling
-        else:
-            base = SamplingConfig(
-                temperature=float(rcp.get("temperature", 1.0) if rcp.get("temperature") is not None else 1.0),
-                top_p=float(rcp.get("top_p", 1.0) if rcp.get("top_p") is not None else 1.0),
-                max_tokens=int(rcp.get("max_output_tokens") or self.default_max_tokens),
-            )
+        base = self.sampling if self.sampling is not None else _row_sampling(rcp, self.default_max_tokens)
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=self.max_model_len)
@@ -204,7 +220,10 @@ class _Env:
             return reply.json()
         except ValueError as exc:
             raise EnvServerError(
-                f"POST {path} answered a non-JSON body", status=reply.status_code, body=reply.text[:4000]
+                f"POST {path} answered a non-JSON body",
+                status=reply.status_code,
+                body=reply.text[:4000],
+                server=self.base_url,
             ) from exc
 
     async def aclose(self) -> None:
@@ -223,6 +242,7 @@ async def _tool_items(env: _Env, call: Mapping[str, Any], tool_media: str) -> li
             f"tool {name!r} answered HTTP {reply.status_code}",
             status=reply.status_code,
             body=reply.text[:4000],
+            server=env.base_url,
         )
     return tool_output_items(call.get("call_id"), reply.content, reply.headers.get(PARTS_HEADER), tool_media)
 
@@ -354,11 +374,8 @@ async def run_group(
     """
     if num_rollouts < 1:
         raise ValueError("num_rollouts must be >= 1")
-    batched = (
-        generator
-        if isinstance(generator, BatchingGenerator)
-        else BatchingGenerator(generator, max_batch_size=max_batch_size)
-    )
+    owned = BatchingGenerator(generator, max_batch_size=max_batch_size) if needs_batching(generator) else None
+    batched: Generator = owned if owned is not None else generator
     if kwargs.get("codec") is None:
         kwargs["codec"] = getattr(generator, "codec", None)
     if kwargs.get("max_model_len") is None:
@@ -382,5 +399,5 @@ async def run_group(
     try:
         return list(await asyncio.gather(*(one(i) for i in range(num_rollouts))))
     finally:
-        if batched is not generator:
-            await batched.aclose()
+        if owned is not None:
+            await owned.aclose()

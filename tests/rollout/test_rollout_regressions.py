@@ -1,0 +1,52 @@
+"""Regression tests for defects found in review of the native rollout loop (one test per bug)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gymbridge.errors import ProtocolError
+from gymbridge.generation.hf import HFGenerator
+from gymbridge.rollout import run_episode, run_group
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(("key", "value"), [("temperature", "hot"), ("temperature", -1.0), ("top_p", 0)])
+async def test_regression_bad_row_sampling_is_recorded_not_raised_through_the_group(
+    tiny_gen: HFGenerator, zoom_env: str, zoom_row: dict[str, Any], key: str, value: Any
+) -> None:
+    row = {**zoom_row, "responses_create_params": {**zoom_row["responses_create_params"], key: value}}
+    with pytest.raises(ProtocolError, match=key):
+        await run_episode(tiny_gen, zoom_env, row, max_turns=1)
+    results = await run_group(tiny_gen, zoom_env, row, num_rollouts=2, max_turns=1)
+    assert [r["_ng_rollout_index"] for r in results] == [0, 1]
+    assert all(r["mask_sample"] and r["failure_kind"] == "ProtocolError" for r in results)
+    assert all(key in r["failure_reason"] for r in results)
+
+
+async def test_regression_group_over_a_batching_generator_shares_batches(tiny_gen: HFGenerator) -> None:
+    """A BatchingGenerator had no ``codec``, so run_group over one raised; and the issue's
+    "rollouts for a group run concurrently" means their model calls share forward passes."""
+    from environments.registry import get_env
+    from gymbridge.generation.batching import BatchingGenerator
+    from gymbridge.generation.types import SamplingConfig
+    from gymbridge.server import start_server
+
+    row = get_env("counter").make_row(0, 0)
+    batched = BatchingGenerator(tiny_gen, window_s=0.05)
+    try:
+        async with await start_server(get_env("counter").make_server()) as env:
+            results = await run_group(
+                batched,
+                env.url,
+                row,
+                num_rollouts=4,
+                max_turns=1,
+                sampling=SamplingConfig(max_tokens=3, seed=1),
+            )
+    finally:
+        await batched.aclose()
+    assert not any(r.get("mask_sample") for r in results)
+    assert batched.rows_run == 4 and batched.batches_run < 4, "the group's rollouts ran one after another"
