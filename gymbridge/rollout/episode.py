@@ -340,7 +340,10 @@ async def _run_gymnasium(
     try:
         for _ in range(max_turns):
             last = await model.respond(rcp, episode.model_input())
-            step = await env.post_json("/step", episode.add_response(last))
+            step_body = episode.add_response(last)
+            if episode.context_exhausted:
+                break
+            step = await env.post_json("/step", step_body)
             try:
                 if episode.add_step(step).done:
                     break

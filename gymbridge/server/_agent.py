@@ -399,6 +399,8 @@ class SimpleAgent(GymServer):
             for _ in range(self.max_steps):
                 last = await self._model(episode.rcp, episode.model_input(), model_cookies, route)
                 step_body = episode.add_response(last)
+                if episode.context_exhausted:
+                    break
                 reply = await self._call(
                     f"{self.resources_url}{route.resources('/step')}",
                     step_body,

@@ -276,7 +276,10 @@ class GymnasiumEpisode:
         try:
             for _ in range(max_steps):
                 response = <model call on episode.model_input()>
-                step = <POST /step with episode.add_response(response)>
+                body = episode.add_response(response)
+                if episode.context_exhausted:
+                    break                             # nothing to step with; later calls only grow
+                step = <POST /step with body>
                 if episode.add_step(step).done:
                     break
         finally:
@@ -298,6 +301,11 @@ class GymnasiumEpisode:
         self.total_reward = 0.0
         self.last_response: dict[str, Any] = {}
         self.last_step: StepAnswer | None = None
+        self.context_exhausted = False
+        """The model produced nothing and said why (e.g. the prompt filled the context): stop.
+
+        Stepping with an empty action would only grow the conversation, so every later
+        model call would end the same way until ``max_steps``."""
 
     def start(self, reset: Any) -> None:
         """Record the ``/reset`` answer: its observation joins the input; ``supports_explicit_close``."""
@@ -320,6 +328,7 @@ class GymnasiumEpisode:
         self.last_response = response
         self.outputs.extend(output)
         self.usage = add_usage(self.usage, response.get("usage"))
+        self.context_exhausted = not output and response.get("status") == "incomplete"
         return {**self.row, "response": response}
 
     def add_step(self, data: Any) -> StepAnswer:
@@ -341,6 +350,12 @@ class GymnasiumEpisode:
             "usage": self.usage,
             "status": "completed" if finished else "incomplete",
         }
+        if self.context_exhausted:
+            metadata = response.get("metadata")
+            response["metadata"] = {
+                **(metadata if isinstance(metadata, dict) else {}),
+                "ng_termination_reason": "empty_output",
+            }
         return {
             **self.row,
             "responses_create_params": self.rcp,

@@ -134,3 +134,53 @@ def test_tool_episode_stop_rules() -> None:
     assert episode.response()["status"] == "incomplete"
     with pytest.raises(ProtocolError):
         ToolEpisode({"input": 7})
+
+
+def test_regression_context_exhausted_episode_stops_instead_of_stepping_empty_actions() -> None:
+    """Formerly: an empty ``incomplete`` answer (the prompt filled the context) was sent to /step
+    as an empty action, and every later call ended the same way until ``max_steps``."""
+    episode = GymnasiumEpisode(ROW)
+    episode.start({"observation": "start", "info": {}})
+    episode.add_response({"output": [], "status": "incomplete", "incomplete_details": {"reason": "length"}})
+    assert episode.context_exhausted
+    result = episode.result()
+    assert result["response"]["status"] == "incomplete"
+    assert result["response"]["metadata"]["ng_termination_reason"] == "empty_output"
+    assert result["truncated"] is True and result["terminated"] is False
+    # an answer with output (even a truncated one) is a real action
+    episode2 = GymnasiumEpisode(ROW)
+    episode2.start({"observation": "start", "info": {}})
+    episode2.add_response({"output": [{"type": "message"}], "status": "incomplete"})
+    assert not episode2.context_exhausted
+
+
+async def test_agent_stops_a_gymnasium_episode_when_the_model_returns_nothing() -> None:
+    from aiohttp import web
+
+    model_calls = 0
+
+    async def responses(request: web.Request) -> web.Response:
+        nonlocal model_calls
+        model_calls += 1
+        body = {"id": "r", "object": "response", "model": "m", "output": [], "status": "incomplete"}
+        return web.json_response({**body, "incomplete_details": {"reason": "max_output_tokens"}})
+
+    model_app = web.Application()
+    model_app.router.add_post("/v1/responses", responses)
+    env = await start_server(raw_gym_app())
+    model = await start_server(model_app)
+    agent = await start_server(
+        SimpleAgent(resources_url=env.url, model_url=model.url, gymnasium=True, max_steps=6)
+    )
+    try:
+        async with aiohttp.ClientSession() as http, http.post(agent.url + "/run", json=ROW) as r:
+            status, result = r.status, await r.json(content_type=None)
+    finally:
+        await agent.stop()
+        await model.stop()
+        await env.stop()
+    assert status == 200, result
+    assert model_calls == 1  # not max_steps calls
+    assert result["response"]["metadata"]["ng_termination_reason"] == "empty_output"
+    assert result["truncated"] is True
+    assert env_items(result["response"]["output"]) == []  # no /step was taken
