@@ -39,7 +39,7 @@ async def main() -> None:
             MediaProcessor(tiny.processor),
             group_size=args.group_size,
             prompts_per_batch=args.prompts,
-            min_group_size=max(2, args.group_size // 2),
+            min_group_size=min(args.group_size, max(2, args.group_size // 2)),
             failures_path="failures.jsonl",
         )
         step = 0

@@ -16,8 +16,10 @@ Invariants:
   failed group's record (``dropped_rollouts``); every prompt is either a group in a yielded
   batch or a failed-group record. A rollout whose trajectory breaks the group's batch build
   (placeholder mismatch, undecodable media) is isolated and recorded on its own;
-  ``stats.prompts_started == stats.groups_completed + stats.groups_failed`` once the
-  iterator is drained;
+  ``stats.prompts_started == stats.groups_completed + stats.groups_failed +
+  stats.groups_dropped`` once the iterator is drained (``groups_dropped``: completed groups
+  of a final partial batch discarded by ``drop_last``, each recorded as a ``drop_last`` group
+  record);
 * a group with failed rollouts is completed from its successful ones when at least
   ``min_group_size`` succeeded (advantages over those), otherwise the group is reported
   as failed (never trained on);
@@ -48,7 +50,6 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import orjson
-import torch
 
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.errors import BridgeStalledError, GymbridgeError, MediaError, TrajectoryError
@@ -74,12 +75,15 @@ class BridgeStats:
     groups_partial: int = 0
     """Completed groups that lost some rollouts (completed from the successful ones)."""
     groups_failed: int = 0
+    groups_dropped: int = 0
+    """Completed groups of a final partial batch discarded by ``drop_last`` (each recorded)."""
     groups_zero_variance: int = 0
     """Completed groups whose rewards are all equal (zero advantages: no learning signal)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     rollouts_dropped: int = 0
-    """Successful rollouts of failed groups (listed in the group record's ``dropped_rollouts``)."""
+    """Successful rollouts of failed or ``drop_last`` groups (listed in the group record's
+    ``dropped_rollouts``)."""
     rollouts_masked: int = 0
     """Successful rollouts the environment marked ``mask_sample`` (kept, loss-masked)."""
     batches: int = 0
@@ -371,6 +375,8 @@ class BridgeIterator:
                         self._build([traj])
                     except (TrajectoryError, MediaError) as one:
                         self.stats.rollouts_ok -= 1
+                        if traj.mask_sample:
+                            self.stats.rollouts_masked -= 1
                         failures.append(
                             self._rollout_failure(
                                 task_index, _rollout_of(traj), type(one).__name__, str(one), attempts=0
@@ -462,8 +468,10 @@ class BridgeIterator:
                 self.stats.groups_zero_variance += 1
             groups.append(result)
         if not groups or (self.drop_last and len(groups) < self.prompts_per_batch):
+            for dropped in groups:
+                self._drop_group(dropped)  # before aclose: the record goes to the failures file
             await self.aclose()
-            if self.stats.groups_completed == 0 and self.stats.prompts_started > 0:
+            if self.stats.groups_completed + self.stats.groups_dropped == 0 and self.stats.prompts_started:
                 raise BridgeStalledError(
                     "the dataset ended without a single completed group "
                     f"({self.stats.groups_failed} failed); "
@@ -480,17 +488,32 @@ class BridgeIterator:
             self.replay.push(batch)
         return batch
 
-    def _assemble(self, groups: list[GroupResult]) -> TrainBatch:
-        from gymbridge.tensors import TrainBatch
+    def _drop_group(self, group: GroupResult) -> None:
+        """Record a completed group that ``drop_last`` discards (never silently lost)."""
+        self.stats.groups_completed -= 1
+        self.stats.groups_dropped += 1
+        self.stats.rollouts_dropped += len(group.trajectories)
+        logger.warning("drop_last: discarding the completed group of task %d", group.task_index)
+        self._record(
+            {
+                "kind": "group",
+                "task_index": group.task_index,
+                "succeeded": len(group.trajectories),
+                "group_size": self.group_size,
+                "failure_class": "drop_last",
+                "failure_reason": (
+                    f"final partial batch ({self.prompts_per_batch} groups per batch) dropped by drop_last"
+                ),
+                "rollout_failure_classes": {},
+                "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
+                "time": time.time(),
+            }
+        )
 
-        parts = [g.batch for g in groups if g.batch is not None]
-        batch = TrainBatch.cat(parts)
-        sizes = torch.tensor([len(p) for p in parts], dtype=torch.int64)
-        group_ids = torch.repeat_interleave(torch.arange(len(parts), dtype=torch.int64), sizes)
-        traj_counts = [int(p.sample_ids.max()) + 1 if len(p) else 0 for p in parts]
-        offsets = torch.tensor([0, *traj_counts[:-1]], dtype=torch.int64).cumsum(0)
-        sample_ids = batch.sample_ids + torch.repeat_interleave(offsets, sizes)
-        return replace(batch, group_ids=group_ids, sample_ids=sample_ids)
+    def _assemble(self, groups: list[GroupResult]) -> TrainBatch:
+        from gymbridge.bridge.replay import cat_groups
+
+        return cat_groups([g.batch for g in groups if g.batch is not None])
 
     def __iter__(self) -> Iterator[TrainBatch]:
         loop = asyncio.new_event_loop()

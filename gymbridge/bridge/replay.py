@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_VERSION", "ReplayBuffer", "ReplayCheckpointError", "write_atomic"]
+__all__ = ["CHECKPOINT_VERSION", "ReplayBuffer", "ReplayCheckpointError", "cat_groups", "write_atomic"]
 
 CHECKPOINT_VERSION = 1
 
@@ -96,7 +96,10 @@ def _split_groups(batch: TrainBatch) -> list[TrainBatch]:
     return groups
 
 
-def _renumber(groups: list[TrainBatch]) -> TrainBatch:
+def cat_groups(groups: list[TrainBatch]) -> TrainBatch:
+    """One batch of whole ``groups`` (media re-interned by provenance): group ids ``0..n-1`` in order,
+    sample ids renumbered densely per group, so rows of one split trajectory keep sharing an id
+    and no two trajectories of different groups collide."""
     from dataclasses import replace
 
     from gymbridge.tensors import TrainBatch
@@ -104,7 +107,15 @@ def _renumber(groups: list[TrainBatch]) -> TrainBatch:
     out = TrainBatch.cat(groups)
     sizes = torch.tensor([len(g) for g in groups], dtype=torch.int64)
     gids = torch.repeat_interleave(torch.arange(len(groups), dtype=torch.int64), sizes)
-    return replace(out, group_ids=gids, sample_ids=torch.arange(len(out), dtype=torch.int64))
+    sids: list[torch.Tensor] = []
+    offset = 0
+    for g in groups:
+        if len(g):
+            uniq, dense = torch.unique(g.sample_ids, return_inverse=True)
+            sids.append(dense.to(torch.int64) + offset)
+            offset += len(uniq)
+    sample_ids = torch.cat(sids) if sids else torch.zeros(0, dtype=torch.int64)
+    return replace(out, group_ids=gids, sample_ids=sample_ids)
 
 
 class ReplayBuffer:
@@ -144,7 +155,7 @@ class ReplayBuffer:
         if not 1 <= num_groups <= len(self._groups):
             raise ValueError(f"cannot sample {num_groups} group(s) from a buffer holding {len(self._groups)}")
         picked = sorted(self._rng.sample(range(len(self._groups)), num_groups))
-        out = _renumber([self._groups[i] for i in picked])
+        out = cat_groups([self._groups[i] for i in picked])
         if self.meter is not None:
             self.meter.record("replay_sample", out)
         return out
@@ -157,7 +168,7 @@ class ReplayBuffer:
             "version": CHECKPOINT_VERSION,
             "capacity_groups": self.capacity_groups,
             "group_sizes": [len(g) for g in groups],
-            "batch": _renumber(groups) if groups else None,
+            "batch": cat_groups(groups) if groups else None,
             "rng_state": self._rng.getstate(),
             "pushed_groups": self.pushed_groups,
             "evicted_groups": self.evicted_groups,
@@ -188,13 +199,18 @@ class ReplayBuffer:
             raise ReplayCheckpointError(
                 f"replay checkpoint {path} has format version {found!r}, expected {CHECKPOINT_VERSION}"
             )
-        buf = cls(int(state["capacity_groups"]), meter=meter)
-        buf._rng.setstate(state["rng_state"])
-        batch = state["batch"]
-        start = 0
-        for size in state["group_sizes"]:
-            buf._groups.append(_split_groups(batch.select(slice(start, start + size)))[0])
-            start += size
-        buf.pushed_groups = int(state["pushed_groups"])
-        buf.evicted_groups = int(state["evicted_groups"])
+        try:
+            buf = cls(int(state["capacity_groups"]), meter=meter)
+            buf._rng.setstate(state["rng_state"])
+            batch = state["batch"]
+            start = 0
+            for size in state["group_sizes"]:
+                buf._groups.append(_split_groups(batch.select(slice(start, start + size)))[0])
+                start += size
+            buf.pushed_groups = int(state["pushed_groups"])
+            buf.evicted_groups = int(state["evicted_groups"])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            raise ReplayCheckpointError(
+                f"replay checkpoint {path} has missing or malformed fields: {type(exc).__name__}: {exc}"
+            ) from exc
         return buf

@@ -127,8 +127,9 @@ class GymRollouts:
 class NativeRollouts:
     """The native path: :func:`~gymbridge.rollout.run_episode` against the environment at ``env_url``.
 
-    The generator is wrapped once in a :class:`~gymbridge.generation.BatchingGenerator`, so
-    the model calls of concurrent rollouts share forward passes. ``episode_kwargs`` go to
+    Unless it batches concurrent requests itself (vLLM), the generator is wrapped once in a
+    :class:`~gymbridge.generation.BatchingGenerator`, so the model calls of concurrent
+    rollouts share forward passes. ``episode_kwargs`` go to
     ``run_episode`` (``mode``, ``codec``, ``max_model_len``, ``tool_media``, ...).
 
     ``seed``: every rollout samples with its own seed, :func:`~gymbridge.bridge.rollout_seed`
@@ -152,7 +153,7 @@ class NativeRollouts:
         seed: int | None = None,
         **episode_kwargs: Any,
     ) -> None:
-        from gymbridge.generation.batching import BatchingGenerator
+        from gymbridge.generation.batching import BatchingGenerator, needs_batching
 
         self.env_url = env_url
         self.max_turns = max_turns
@@ -161,7 +162,7 @@ class NativeRollouts:
         self.timeout_s = timeout_s
         self.meter = meter
         self.seed = seed
-        self._owned = not isinstance(generator, BatchingGenerator)
+        self._owned = needs_batching(generator)
         self.generator: Any = (
             generator if not self._owned else BatchingGenerator(generator, max_batch_size=max_batch_size)
         )
@@ -174,9 +175,9 @@ class NativeRollouts:
 
         started = time.monotonic()
         sampling = self.sampling
-        if self.seed is not None:
-            sampling = self._seeded(row, rollout_seed(self.seed, task_index, index))
         try:
+            if self.seed is not None:
+                sampling = self._seeded(row, rollout_seed(self.seed, task_index, index))
             result = await run_episode(
                 self.generator,
                 self.env_url,
@@ -202,21 +203,17 @@ class NativeRollouts:
         )
 
     def _seeded(self, row: Mapping[str, Any], seed: int) -> SamplingConfig:
-        from gymbridge.generation.types import SamplingConfig
+        """``sampling`` (else the row's sampling fields, validated exactly as ``run_episode`` does:
+        a bad value is ``ProtocolError``) with ``seed``."""
+        from gymbridge.rollout import row_sampling
 
         if self.sampling is not None:
             return replace(self.sampling, seed=seed)
-        rcp = row.get("responses_create_params") or {}
-        temperature = rcp.get("temperature")
-        top_p = rcp.get("top_p")
-        return SamplingConfig(
-            temperature=1.0 if temperature is None else float(temperature),
-            top_p=1.0 if top_p is None else float(top_p),
-            max_tokens=int(
-                rcp.get("max_output_tokens") or self.episode_kwargs.get("default_max_tokens") or 1024
-            ),
-            seed=seed,
-        )
+        rcp = row.get("responses_create_params")
+        if not isinstance(rcp, Mapping):
+            rcp = {}
+        default_max_tokens = self.episode_kwargs.get("default_max_tokens") or 1024
+        return replace(row_sampling(rcp, int(default_max_tokens)), seed=seed)
 
     async def rollouts(
         self, row: Mapping[str, Any], *, task_index: int, group_size: int

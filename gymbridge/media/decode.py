@@ -236,6 +236,28 @@ def _av_audio_container(raw: bytes) -> str | None:
     return None
 
 
+def _declared_duration(
+    container: Any, stream: Any, policy: MediaPolicy, source: str, kind: str
+) -> float | None:
+    """The stream's (else the container's) declared duration in seconds, ``None`` when unknown;
+    refuses one over ``max_duration_s`` (``MediaPolicyError``) or negative / not finite (corrupt)."""
+    duration: float | None = None
+    if stream.duration is not None and stream.time_base is not None:
+        duration = float(stream.duration * stream.time_base)
+    elif container.duration is not None:
+        duration = container.duration / 1_000_000
+    if duration is None:
+        return None
+    if not math.isfinite(duration) or duration < 0:
+        raise MediaDecodeError(f"{kind} {source!r} declares an invalid duration {duration}", source=source)
+    if duration > policy.max_duration_s:
+        raise MediaPolicyError(
+            f"{kind} {source!r} lasts {duration:.1f} s, over max_duration_s={policy.max_duration_s}",
+            source=source,
+        )
+    return duration
+
+
 def _av_audio_header(container: Any, fmt: str, policy: MediaPolicy, source: str) -> AudioHeader:
     if not container.streams.audio:
         raise MediaDecodeError(f"audio {source!r} has no audio stream", source=source)
@@ -246,16 +268,7 @@ def _av_audio_header(container: Any, fmt: str, policy: MediaPolicy, source: str)
         raise MediaDecodeError(
             f"audio {source!r} declares an invalid format ({rate} Hz, {channels} channels)", source=source
         )
-    duration: float | None = None
-    if stream.duration is not None and stream.time_base is not None:
-        duration = float(stream.duration * stream.time_base)
-    elif container.duration is not None:
-        duration = container.duration / 1_000_000
-    if duration is not None and duration > policy.max_duration_s:
-        raise MediaPolicyError(
-            f"audio {source!r} lasts {duration:.1f} s, over max_duration_s={policy.max_duration_s}",
-            source=source,
-        )
+    duration = _declared_duration(container, stream, policy, source, "audio")
     frames = None if duration is None else round(duration * rate)
     # unknown duration: budget for the longest clip the policy allows; decoding enforces it
     budget = round(policy.max_duration_s * rate) if frames is None else frames
@@ -464,16 +477,7 @@ def _video_header(container: Any, fmt: str, policy: MediaPolicy, source: str) ->
             f"over max_pixels={policy.max_pixels}",
             source=source,
         )
-    duration: float | None = None
-    if stream.duration is not None and stream.time_base is not None:
-        duration = float(stream.duration * stream.time_base)
-    elif container.duration is not None:
-        duration = container.duration / 1_000_000
-    if duration is not None and duration > policy.max_duration_s:
-        raise MediaPolicyError(
-            f"video {source!r} lasts {duration:.1f} s, over max_duration_s={policy.max_duration_s}",
-            source=source,
-        )
+    duration = _declared_duration(container, stream, policy, source, "video")
     frames = int(stream.frames) if stream.frames else None
     rate = float(stream.average_rate) if stream.average_rate else None
     return VideoHeader(

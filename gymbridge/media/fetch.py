@@ -7,7 +7,7 @@ hop** (redirects are followed by hand, never by httpx):
 * a host listed in ``MediaPolicy.allowed_http_hosts`` (``host`` or
   ``host:port``) is trusted as is; any other host is resolved (with the fetch
   deadline) and refused when **any** of its addresses is loopback, private,
-  link-local, multicast, reserved, unspecified or otherwise not global. The
+  link-local, site-local, multicast, reserved, unspecified or otherwise not global. The
   request then goes to the checked address itself (``Host`` header and TLS SNI
   keep the name), so a second DNS answer cannot swap in a private address
   (DNS rebinding);
@@ -27,11 +27,13 @@ No httpx exception escapes this module.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import socket
 import threading
 import time
+from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
@@ -70,6 +72,8 @@ def check_address(address: str) -> str | None:
         return "unspecified"
     if ip.is_private:
         return "private"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local:  # fec0::/10: not in is_private
+        return "site-local"
     if ip.is_reserved:
         return "reserved"
     if not ip.is_global:
@@ -236,11 +240,30 @@ def _resolve_sync(ref: HttpRef, deadline: float, policy: MediaPolicy, source: st
     return _addresses(infos)
 
 
+def _run_private_loop(coro: Coroutine[Any, Any, bytes]) -> bytes:
+    """Run ``coro`` to completion on a private event loop (in a helper thread when this thread
+    already runs a loop, e.g. ``item.raw`` touched inside a coroutine)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymbridge-fetch") as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def fetch_http(url: str, policy: MediaPolicy, *, client: httpx.Client | None = None) -> bytes:
-    """GET ``url`` under ``policy`` (see the module docstring); return the body bytes."""
+    """GET ``url`` under ``policy`` (see the module docstring); return the body bytes.
+
+    Without ``client`` the fetch runs :func:`afetch_http` on a private event loop, so
+    ``fetch_timeout_s`` bounds everything, even a server that drips its headers (a
+    blocking socket read only has a per-read timeout). With a caller's ``client`` the
+    deadline is checked between hops and body chunks, and each socket read is bounded
+    by the time left.
+    """
+    if client is None:
+        return _run_private_loop(afetch_http(url, policy))
     deadline = time.monotonic() + policy.fetch_timeout_s
-    own = client is None
-    http = client if client is not None else httpx.Client(trust_env=False, follow_redirects=False)
+    http = client
     try:
         current = url
         for _ in range(policy.max_redirects + 1):
@@ -281,9 +304,6 @@ def fetch_http(url: str, policy: MediaPolicy, *, client: httpx.Client | None = N
         raise _transport_error(exc, url) from exc
     except httpx.InvalidURL as exc:  # not an HTTPError; urlsplit was more lenient than httpx
         raise MediaPolicyError(f"malformed URL {shorten(url)!r}: {exc}", source=shorten(url)) from exc
-    finally:
-        if own:
-            http.close()
 
 
 async def afetch_http(url: str, policy: MediaPolicy, *, client: httpx.AsyncClient | None = None) -> bytes:
@@ -298,8 +318,13 @@ async def afetch_http(url: str, policy: MediaPolicy, *, client: httpx.AsyncClien
                 hop = check_url(current, policy, url)
                 address: str | None = None
                 if not hop.allowed and not hop.literal:
-                    try:
-                        infos = await loop.getaddrinfo(hop.ref.host, hop.ref.port, type=socket.SOCK_STREAM)
+                    try:  # the shared pool: a hung resolver never blocks a loop's shutdown
+                        infos = await loop.run_in_executor(
+                            _dns_executor(),
+                            functools.partial(
+                                socket.getaddrinfo, hop.ref.host, hop.ref.port, type=socket.SOCK_STREAM
+                            ),
+                        )
                     except (OSError, UnicodeError) as exc:
                         raise _dns_error(exc, hop.ref, url) from exc
                     addresses = _addresses(infos)
@@ -324,9 +349,7 @@ async def afetch_http(url: str, policy: MediaPolicy, *, client: httpx.AsyncClien
                         return b"".join(chunks)
                 current = nxt
             raise _too_many_redirects(url, policy)
-    except TimeoutError as exc:
-        raise _timeout_error(url, policy) from exc
-    except httpx.TimeoutException as exc:
+    except (TimeoutError, httpx.TimeoutException) as exc:
         raise _timeout_error(url, policy) from exc
     except httpx.HTTPError as exc:
         raise _transport_error(exc, url) from exc

@@ -8,6 +8,6 @@ Public API (stable): :func:`run_episode` (one rollout, the ``/run`` result shape
 
 from __future__ import annotations
 
-from gymbridge.rollout.episode import EpisodeMode, NativeModel, run_episode, run_group
+from gymbridge.rollout.episode import EpisodeMode, NativeModel, row_sampling, run_episode, run_group
 
-__all__ = ["EpisodeMode", "NativeModel", "run_episode", "run_group"]
+__all__ = ["EpisodeMode", "NativeModel", "row_sampling", "run_episode", "run_group"]

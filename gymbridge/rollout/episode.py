@@ -63,12 +63,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EpisodeMode", "NativeModel", "run_episode", "run_group"]
+__all__ = ["EpisodeMode", "NativeModel", "row_sampling", "run_episode", "run_group"]
 
 EpisodeMode = Literal["auto", "tools", "gymnasium"]
 
 
-def _row_sampling(rcp: Mapping[str, Any], default_max_tokens: int) -> SamplingConfig:
+def row_sampling(rcp: Mapping[str, Any], default_max_tokens: int) -> SamplingConfig:
     """The row's ``temperature`` / ``top_p`` / ``max_output_tokens``; a bad value is ``ProtocolError``."""
     values: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "max_tokens": default_max_tokens}
     for key, field in (
@@ -118,7 +118,7 @@ class NativeModel:
         self.inputs: list[Any] = []
 
     def _sampling_for(self, rcp: Mapping[str, Any], prompt_len: int) -> SamplingConfig:
-        base = self.sampling if self.sampling is not None else _row_sampling(rcp, self.default_max_tokens)
+        base = self.sampling if self.sampling is not None else row_sampling(rcp, self.default_max_tokens)
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=self.max_model_len)

@@ -28,6 +28,9 @@ Invariants:
 * gradients of a batch split into micro-batches (or DP shards, see
   :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
   its loss sum by the token count of the whole batch (``total_loss_tokens``);
+* a batch without a single loss token (every row ``mask_sample``, or empty) changes nothing:
+  the optimizer is not stepped (AdamW momentum / weight decay would still move the weights)
+  and ``steps`` does not advance;
 * the model runs in eval mode (no dropout), so the ratio is 1 when the weights have not
   changed since generation; the optimizer and model are this trainer's own.
 """
@@ -314,8 +317,20 @@ class GRPOTrainer:
         """One GRPO update on ``batch``; returns its metrics."""
         started = time.perf_counter()
         res = self.compute_gradients(batch)
+        if res.loss_tokens == 0:
+            log_skipped_step(batch)
+            return summarize(batch, [res], 0.0, time.perf_counter() - started)
         norm = self.apply_gradients(res.grads)
         return summarize(batch, [res], norm, time.perf_counter() - started)
+
+
+def log_skipped_step(batch: TrainBatch) -> None:
+    """Warn that ``batch`` holds no loss token, so its update is skipped (optimizer untouched)."""
+    logger.warning(
+        "GRPO step skipped: the batch of %d row(s) has no loss token (every row masked or empty); "
+        "the optimizer is not stepped, so momentum and weight decay do not move the weights",
+        len(batch),
+    )
 
 
 def summarize(

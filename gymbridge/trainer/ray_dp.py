@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gymbridge.trainer.grpo import GradientResult, GRPOConfig, GRPOTrainer, StepMetrics, summarize
+from gymbridge.trainer.grpo import (
+    GradientResult,
+    GRPOConfig,
+    GRPOTrainer,
+    StepMetrics,
+    log_skipped_step,
+    summarize,
+)
 
 if TYPE_CHECKING:
     from gymbridge.metrics import PayloadMeter
@@ -136,6 +143,9 @@ class RayDPTrainer:
             for i, shard in enumerate(shards):
                 self.meter.record("policy_shard", shard, shard=i)
         total = int(batch.loss_mask.sum())
+        if total == 0:  # no learning signal: driver and workers all skip, weights stay identical
+            log_skipped_step(batch)
+            return summarize(batch, [], 0.0, time.perf_counter() - started)
         parts: list[GradientResult] = self.ray.get(
             [w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)]
         )

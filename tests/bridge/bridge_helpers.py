@@ -69,7 +69,8 @@ def run_result(tiny: TinyVLM, row: dict[str, Any], reward: float, *, placeholder
 
 Behaviour = Callable[[int, int], "float | int | str"]
 """(task, rollout) -> a float reward, an int HTTP status to fail with, "bad_tokens" (a prompt whose
-placeholders do not match its image) or "sampled_pad" (a generation containing an image placeholder)."""
+placeholders do not match its image; "bad_tokens_masked": the same, marked ``mask_sample``) or
+"sampled_pad" (a generation containing an image placeholder)."""
 
 
 class FakeAgent:
@@ -86,8 +87,11 @@ class FakeAgent:
         what = self.behaviour(int(row["_ng_task_index"]), int(row["_ng_rollout_index"]))
         if isinstance(what, int) and not isinstance(what, bool):
             return httpx.Response(what, json={"detail": f"injected {what}"})
-        if what == "bad_tokens":
-            return httpx.Response(200, json=run_result(self.tiny, row, 1.0, placeholders=3))
+        if what in ("bad_tokens", "bad_tokens_masked"):
+            result = run_result(self.tiny, row, 1.0, placeholders=3)
+            if what == "bad_tokens_masked":
+                result["mask_sample"] = True
+            return httpx.Response(200, json=result)
         if what == "sampled_pad":
             result = run_result(self.tiny, row, 1.0)
             result["response"]["output"][0]["generation_token_ids"][1] = self.tiny.image_token_id

@@ -236,3 +236,40 @@ async def test_reward_fn_shapes_the_trained_reward_and_keeps_the_env_reward(
     assert batch.advantages[0] > 0 > batch.advantages[2]  # constant env rewards, shaped ones differ
     (failure,) = it.failures
     assert failure["failure_class"] == "RewardFnError" and "cannot score" in failure["failure_reason"]
+
+
+def test_regression_drop_last_groups_are_recorded_not_silently_lost(
+    tiny: TinyVLM, processor: MediaProcessor
+) -> None:
+    """``drop_last`` used to drop the final partial batch's completed groups without a trace:
+    no failure record, no counter. Every prompt must be in a yielded batch or a group record."""
+    it = BridgeIterator(
+        make_rows(3),
+        GymRollouts(_client(FakeAgent(tiny, _alternating))),
+        processor,
+        group_size=2,
+        prompts_per_batch=2,
+        drop_last=True,
+    )
+    yielded = [m["task_index"] for b in it for m in b.metadata]
+    assert sorted(set(yielded)) == [0, 1]
+    (record,) = it.failures
+    assert record["kind"] == "group" and record["failure_class"] == "drop_last"
+    assert record["task_index"] == 2 and record["dropped_rollouts"] == [0, 1]
+    assert it.stats.groups_dropped == 1 and it.stats.rollouts_dropped == 2
+    s = it.stats
+    assert s.prompts_started == 3 == s.groups_completed + s.groups_failed + s.groups_dropped
+
+
+async def test_regression_masked_rollout_that_fails_the_build_leaves_the_masked_count(
+    tiny: TinyVLM, processor: MediaProcessor
+) -> None:
+    """A ``mask_sample`` rollout isolated as a build failure was still counted in
+    ``rollouts_masked`` (only ``rollouts_ok`` was taken back): the counters over-reported
+    masked samples that were never trained on."""
+    agent = FakeAgent(tiny, lambda t, r: "bad_tokens_masked" if r == 0 else float(r))
+    async with _client(agent) as client:
+        it = BridgeIterator(make_rows(1), GymRollouts(client), processor, group_size=3, min_group_size=2)
+        (batch,) = [b async for b in it]
+    assert [m["rollout_index"] for m in batch.metadata] == [1, 2]
+    assert (it.stats.rollouts_ok, it.stats.rollouts_failed, it.stats.rollouts_masked) == (2, 1, 0)

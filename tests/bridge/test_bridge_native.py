@@ -54,3 +54,45 @@ async def test_native_environment_down_is_recorded_then_raises(processor: MediaP
         await source.aclose()
     assert set(it.stats.failure_classes) == {"EnvTransportError"}
     assert it.stats.rollouts_failed == 4 and it.stats.groups_failed == 2
+
+
+async def test_regression_seeded_native_rollout_with_a_bad_sampling_field_is_recorded(
+    processor: MediaProcessor,
+) -> None:
+    """With ``seed`` set, ``NativeRollouts`` parsed the row's sampling fields itself: ``float("hot")``
+    escaped as a bare ``ValueError`` and killed the whole iterator, where the unseeded path records
+    a ``ProtocolError`` for the rollout. Both paths now validate the same way."""
+    gen = HFGenerator.tiny(0)
+    row = _rows(1)[0]
+    bad = {**row, "responses_create_params": {**row["responses_create_params"], "temperature": "hot"}}
+    source = NativeRollouts(gen, f"http://127.0.0.1:{free_port()}", max_turns=1, timeout_s=2.0, seed=7)
+    try:
+        it = BridgeIterator([bad], source, processor, group_size=2, max_consecutive_failed_groups=1)
+        with pytest.raises(BridgeStalledError):
+            await it.__anext__()
+    finally:
+        await source.aclose()
+    assert it.stats.failure_classes == {"ProtocolError": 2}
+    assert all("temperature must be a number" in f["failure_reason"] for f in it.failures[:2])
+
+
+def test_regression_native_source_does_not_queue_a_continuously_batching_backend() -> None:
+    """Formerly every generator, vLLM included, was wrapped in a BatchingGenerator, so a new
+    request waited for the slowest of the previous batch."""
+    from gymbridge.bridge import NativeRollouts
+    from gymbridge.generation.batching import BatchingGenerator
+
+    class ContinuousBackend:
+        continuous_batching = True
+
+        async def generate(self, inputs: object, sampling: object) -> list[object]:
+            raise AssertionError("not called")
+
+    backend = ContinuousBackend()
+    source = NativeRollouts(backend, "http://127.0.0.1:9")  # type: ignore[arg-type]
+    assert source.generator is backend
+
+    class PlainBackend(ContinuousBackend):
+        continuous_batching = False
+
+    assert isinstance(NativeRollouts(PlainBackend(), "http://127.0.0.1:9").generator, BatchingGenerator)  # type: ignore[arg-type]

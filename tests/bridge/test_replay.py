@@ -88,3 +88,29 @@ def test_a_truncated_checkpoint_is_a_clear_error(batch: TrainBatch, tmp_path: Pa
         ReplayBuffer.load(path)
     with pytest.raises(ReplayCheckpointError, match="cannot read"):
         ReplayBuffer.load(tmp_path / "missing.ckpt")
+
+
+def test_regression_sampling_keeps_rows_of_one_split_trajectory_together(batch: TrainBatch) -> None:
+    """A trajectory split at a non-contiguous turn is several rows sharing one ``sample_id``;
+    ``sample`` used to renumber ``sample_ids`` to ``arange``, so each row became its own sample
+    (rewards counted twice in the step metrics, per-trajectory grouping lost)."""
+    from dataclasses import replace
+
+    # group 0: rows 0 and 1 are one split trajectory; groups 1 and 2 hold 4 trajectories each
+    split = replace(batch, sample_ids=torch.tensor([0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]))
+    buf = ReplayBuffer(10, seed=0)
+    buf.push(split)
+    out = buf.sample(3)
+    sids = out.sample_ids.tolist()
+    assert sids[0] == sids[1]  # still one trajectory
+    assert len(set(sids)) == 11 and sorted(set(sids)) == list(range(11))  # dense, no collisions
+    # across groups no two trajectories share an id
+    assert not set(sids[:4]) & set(sids[4:8]) and not set(sids[4:8]) & set(sids[8:])
+
+
+def test_regression_a_checkpoint_missing_fields_is_a_clear_error(tmp_path: Path) -> None:
+    """A version-1 checkpoint without its fields crashed with a bare ``KeyError``."""
+    path = tmp_path / "replay.ckpt"
+    path.write_bytes(pickle.dumps({"version": 1, "capacity_groups": 3}))
+    with pytest.raises(ReplayCheckpointError, match="missing or malformed"):
+        ReplayBuffer.load(path)

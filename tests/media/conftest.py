@@ -83,6 +83,19 @@ def media_server(png: bytes) -> Iterator[MediaServer]:
                     self.wfile.write(b"x")
                     self.wfile.flush()
                     time.sleep(0.2)
+            elif parts.path == "/driphead":
+                # headers that never end: one header line every 0.2 s (each read succeeds in time)
+                try:
+                    self.wfile.write(b"HTTP/1.1 200 OK\r\n")
+                    self.wfile.flush()
+                    for i in range(1000):
+                        if stop.is_set():
+                            return
+                        self.wfile.write(f"X-Drip-{i}: x\r\n".encode())
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:
+                    return
             elif parts.path == "/big":
                 # declares a huge body; the client must refuse before reading it
                 self.send_response(200)

@@ -170,6 +170,19 @@ async def test_slow_drip_body_cannot_stretch_the_deadline(loader: str, media_ser
 
 
 @both
+async def test_regression_slow_drip_headers_cannot_stretch_the_deadline(
+    loader: str, media_server: MediaServer
+) -> None:
+    """Headers dripped one line per 0.2 s: every socket read succeeds within the per-read timeout,
+    so only a deadline over the whole fetch stops it (the sync path used to hang for 200 s)."""
+    start = time.monotonic()
+    with pytest.raises(MediaFetchError, match=r"fetch_timeout_s=0\.8") as info:
+        await call(loader, media_server.url("/driphead"), allow(media_server, fetch_timeout_s=0.8))
+    assert info.value.retryable is True
+    assert time.monotonic() - start < 2.5
+
+
+@both
 async def test_declared_oversize_body_is_refused_before_reading(
     loader: str, media_server: MediaServer
 ) -> None:
@@ -267,6 +280,15 @@ def test_check_address_classifies() -> None:
     assert fetch_mod.check_address("172.16.0.1") == "private"
     assert fetch_mod.check_address("fc00::1") == "private"
     assert fetch_mod.check_address("2002:7f00:1::") == "loopback"  # 6to4 wrapping 127.0.0.1
+
+
+def test_regression_ipv6_site_local_is_refused() -> None:
+    """``fec0::/10`` (deprecated site-local, still routed inside some private networks) passed as
+    public: Python's ``is_global`` / ``is_private`` do not cover it."""
+    assert fetch_mod.check_address("fec0::1") == "site-local"
+    assert fetch_mod.check_address("feff:ffff::1") == "site-local"
+    with pytest.raises(MediaPolicyError, match="site-local address"):
+        MediaItem.from_ref("http://[fec0::1]/x.png", "image")
 
 
 @pytest.fixture(scope="module")

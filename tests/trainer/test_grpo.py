@@ -149,3 +149,21 @@ def test_new_logprobs_renormalise_without_the_tokens_the_generator_never_samples
     loss = batch.loss_mask[:, 1:].bool()
     assert torch.allclose(masked[:, 1:][loss], want[loss], atol=1e-5)
     assert float((masked - plain)[batch.loss_mask.bool()].abs().max()) > 1e-4  # the mask matters here
+
+
+def test_regression_a_batch_without_loss_tokens_leaves_the_weights_alone(
+    tiny: TinyVLM, batch: TrainBatch
+) -> None:
+    """Every row ``mask_sample`` (or an empty batch): the gradient is zero, but ``step`` still ran
+    AdamW, whose momentum from earlier steps (and weight decay) moved the weights on a batch that
+    carries no learning signal."""
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, weight_decay=0.1))
+    trainer.step(fixed)  # builds up Adam momentum
+    before = [p.detach().clone() for p in trainer.params]
+    masked = replace(fixed, loss_mask=torch.zeros_like(fixed.loss_mask))
+    metrics = trainer.step(masked)
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.params, strict=True))
+    assert metrics.num_loss_tokens == 0 and metrics.grad_norm == 0.0
+    assert trainer.steps == 1  # the skipped update is not counted

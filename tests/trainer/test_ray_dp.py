@@ -98,3 +98,18 @@ def test_policy_shards_stay_deduplicated_across_ray(
     assert back.media["pixel_values"].num_segments == 1
     assert back.media["pixel_values"].provenance == shards[0].media["pixel_values"].provenance
     assert report.max_shard_bytes < batch.media_logical_nbytes / 2
+
+
+def test_regression_dp_step_without_loss_tokens_moves_no_weights(
+    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """A fully masked batch used to step every optimizer (momentum moved the weights)."""
+    from dataclasses import replace
+
+    trainer, _meter, _ = dp
+    trainer.step(batch)  # the optimizers now hold momentum
+    before = trainer.param_digests()
+    masked = replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
+    metrics = trainer.step(masked)
+    assert metrics.num_loss_tokens == 0 and metrics.grad_norm == 0.0
+    assert trainer.param_digests() == before and len(set(before)) == 1
