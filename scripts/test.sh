@@ -18,9 +18,11 @@ fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "== installing gymbridge[dev,ray] (torch pinned to the local CPU wheel where no GPU torch is present)"
     t0=$(date +%s)
-    torch_pin="torch==2.13.0"
+    torch_pin="torch==2.13.0"  # CPU machines: the local CPU wheel (an unpinned torch pulls a CUDA build)
     if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
         torch_pin=""  # a GPU torch is already there: keep it
+    elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        torch_pin=""  # a GPU machine: let pip pick a CUDA torch within the project's range
     fi
     # shellcheck disable=SC2086
     "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray]" $torch_pin 2>&1 \
