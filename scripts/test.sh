@@ -24,9 +24,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         torch_pin=""  # a GPU machine: let pip pick a CUDA torch within the project's range
     fi
+    log="$VENV/.gymbridge-install.log"
+    set +e
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray]" $torch_pin 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory" || true
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray]" $torch_pin >"$log" 2>&1
+    rc=$?
+    set -e
+    grep -v "is ignored: it is neither a file nor a directory" "$log" || true
+    if [ $rc -ne 0 ]; then echo "!! pip install failed (exit $rc); nothing was stamped"; exit $rc; fi
     "$VENV/bin/python" -c "import gymbridge, torch, transformers" # fail here, not in pytest, if install broke
     echo "$want" > "$STAMP"
     echo "== installed in $(( $(date +%s) - t0 )) s"
