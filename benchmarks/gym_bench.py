@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -190,14 +191,32 @@ def start_ours(workdir: Path, env: dict[str, str]) -> tuple[list[subprocess.Pope
         "env": [str(GYMBRIDGE_PY), "-c", OURS_ENV, str(ports["env"])],
         "agent": [str(GYMBRIDGE_PY), "-c", OURS_AGENT, str(ports["agent"]), urls["env"], urls["model"]],
     }
-    for name, cmd in commands.items():
-        log = (workdir / f"ours_{name}.log").open("wb")
-        proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        procs.append(proc)
-        wait_http(urls[name], proc)
+    try:
+        for name, cmd in commands.items():
+            with (workdir / f"ours_{name}.log").open("wb") as log:
+                proc = subprocess.Popen(
+                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            procs.append(proc)
+            wait_http(urls[name], proc)
+    except BaseException:
+        stop_all(procs)  # the ones already up must not outlive a failed start
+        raise
     return procs, urls
+
+
+def stop_all(procs: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each server's process group, SIGKILL what is still there after 10 s."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gym-bench-"))
     env = child_env(workdir / "tmp")
     env["PYTHONPATH"] = str(REPO)
-    procs, urls = start_ours(workdir, env)
+    try:
+        procs, urls = start_ours(workdir, env)
+    except BaseException:
+        print(f"our servers did not start; logs kept in {workdir}", file=sys.stderr)
+        raise
     stack = GenuineStack(workdir / "genuine")
     add_scripted_model(stack, urls["model"])
     stack.add("counter", KIND_RESOURCES, "example_session_state_mgmt", domain="agent")
@@ -237,12 +260,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"p99 {level.p99_s:7.3f} s  failures {level.failures}/{n}",
                     flush=True,
                 )
+    except BaseException:
+        print(f"benchmark failed; server logs kept in {workdir}", file=sys.stderr)
+        raise
     finally:
         stack.stop()
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
+        stop_all(procs)
+    shutil.rmtree(workdir, ignore_errors=True)  # no temp folder left behind by a good run
 
     print_table(results)
     if args.json:

@@ -19,9 +19,14 @@ Non-genuine members of a stack (gymbridge's model double, our environments) appe
 with their host/port only, so genuine agents can call them by name.
 
 Invariants:
-* every address is 127.0.0.1 and every port is chosen free at allocation time;
+* every address is 127.0.0.1; ports are chosen free BELOW the kernel's ephemeral range, so no
+  outgoing connection of another job can take one between allocation and the server's bind; a
+  server that still loses its port (another job bound it) is detected ("address already in use"
+  in its log) and the whole stack restarts on fresh ports, up to ``START_ATTEMPTS`` times;
 * each server runs in its own process group, stopped with SIGTERM then SIGKILL, so uvicorn workers
-  never outlive a test session;
+  never outlive a test session; each also gets SIGTERM from the kernel if the launching process
+  dies without tearing down (``PR_SET_PDEATHSIG``), so a killed pytest leaves no servers behind;
+* the job-local temp folder is created on ``start()`` and removed on ``stop()``;
 * each server's stdout+stderr goes to a log file whose tail is put in every failure message;
 * the child environment keeps telemetry off and points TMPDIR/RAY_TMPDIR at a job-local folder.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -52,6 +58,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 GYM_VENV = Path(os.environ.get("GYM_VENV", REPO_ROOT / ".venv-gym"))
 GYM_PYTHON = GYM_VENV / "bin" / "python"
 GYM_STAMP = GYM_VENV / ".gymbridge-gym-stamp"
+# Written by scripts/setup_gym_venv.sh when a build fails, removed when one succeeds.
+SETUP_FAILURE = REPO_ROOT / ".cache" / "gym-setup-failed"
+REQUIRE_GYM = os.environ.get("GYMBRIDGE_REQUIRE_GYM") == "1"
 NEMO_GYM_VERSION = "0.7.0"
 HOST = "127.0.0.1"
 
@@ -70,20 +79,50 @@ HEAD_SERVER_MAIN = (
 )
 
 
+# Runs first in every launched child: ask the kernel for SIGTERM when the launching thread dies
+# (prctl survives execve), then exec the real command. Not preexec_fn: unsafe with threads.
+PDEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:\n"  # 1 = PR_SET_PDEATHSIG
+    "    print('warning: prctl(PR_SET_PDEATHSIG) failed', file=sys.stderr)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('launcher died before the server started')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+START_ATTEMPTS = 3
+ADDRESS_IN_USE = ("address already in use", "Errno 98")
+
+
 class GenuineServerError(RuntimeError):
     """A genuine server failed to start or died; the message carries its log tail."""
 
 
-def gym_venv_problem() -> str | None:
-    """Why the gym venv cannot be used, or ``None`` when it is ready."""
-    if not GYM_PYTHON.exists():
-        return f"{GYM_VENV} is absent: run `bash scripts/setup_gym_venv.sh` to build genuine nemo-gym"
-    stamp = GYM_STAMP.read_text().strip() if GYM_STAMP.exists() else ""
-    if not stamp.endswith(f"nemo-gym=={NEMO_GYM_VERSION}"):
-        return (
-            f"{GYM_VENV} is incomplete (no stamp for nemo-gym=={NEMO_GYM_VERSION}): rerun setup_gym_venv.sh"
-        )
-    return None
+class PortTakenError(GenuineServerError):
+    """A genuine server could not bind its port (another process took it after allocation)."""
+
+
+def gym_venv_problem(venv: Path | None = None, setup_failure: Path | None = None) -> str | None:
+    """Why the gym venv cannot be used, or ``None`` when it is ready.
+
+    The reason names the fix, and carries the last failure ``scripts/setup_gym_venv.sh`` recorded
+    (``.cache/gym-setup-failed``) when there is one, so a skipped suite says why it was skipped.
+    """
+    venv = GYM_VENV if venv is None else venv
+    setup_failure = SETUP_FAILURE if setup_failure is None else setup_failure
+    problem: str | None = None
+    if not (venv / "bin" / "python").exists():
+        problem = f"{venv} is absent: run `bash scripts/setup_gym_venv.sh` to build genuine nemo-gym"
+    else:
+        stamp_file = venv / GYM_STAMP.name
+        stamp = stamp_file.read_text().strip() if stamp_file.exists() else ""
+        if not stamp.endswith(f"nemo-gym=={NEMO_GYM_VERSION}"):
+            problem = (
+                f"{venv} is incomplete (no stamp for nemo-gym=={NEMO_GYM_VERSION}): "
+                "rerun `bash scripts/setup_gym_venv.sh`"
+            )
+    if problem and setup_failure.exists():
+        problem += f"; last setup failure: {setup_failure.read_text(errors='replace').strip()[-500:]}"
+    return problem
 
 
 def gym_site_packages() -> Path:
@@ -97,7 +136,33 @@ def gym_site_packages() -> Path:
     return Path(out.stdout.strip())
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, outside the ephemeral range when possible.
+
+    ``bind(0)`` would hand out an ephemeral port: between this call and the server's own bind (a
+    genuine server needs seconds to import), any outgoing connection on the machine may take it.
+    Ports below the ephemeral range are only ever taken by an explicit bind.
+    """
+    low, _ = _ephemeral_range()
+    lo, hi = 20000, min(low, 32768) - 1
+    rng = random.SystemRandom()
+    if hi - lo > 1000:
+        for _ in range(50):
+            port = rng.randint(lo, hi)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind((HOST, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
@@ -180,6 +245,12 @@ class GenuineProcess:
     def check_alive(self) -> None:
         rc = self.proc.poll()
         if rc is not None:
+            tail = self.log_tail()
+            if any(marker in tail for marker in ADDRESS_IN_USE):
+                raise PortTakenError(
+                    f"genuine {self.instance.impl} ({self.instance.name}) could not bind port "
+                    f"{self.instance.port}; log tail:\n{tail}"
+                )
             raise GenuineServerError(
                 f"genuine {self.instance.impl} ({self.instance.name}) exited with {rc}; log tail:\n"
                 f"{self.log_tail()}"
@@ -209,9 +280,8 @@ class GenuineStack:
         self.log_dir = log_dir
         self.with_head = with_head
         """Also launch the genuine head server (``GET /global_config_dict_yaml``) on ``head_port``."""
-        # short on purpose: Ray puts unix sockets under RAY_TMPDIR (107-byte path limit)
         self._own_tmp = job_tmp is None
-        self.job_tmp = job_tmp or Path(tempfile.mkdtemp(prefix="gbgym-"))
+        self._job_tmp = job_tmp
         self.head_port = free_port()
         self.instances: dict[str, Instance] = {}
         self.processes: dict[str, GenuineProcess] = {}
@@ -233,6 +303,14 @@ class GenuineStack:
         self.instances[name] = inst
         return inst
 
+    @property
+    def job_tmp(self) -> Path:
+        """TMPDIR/RAY_TMPDIR of the stack's processes; created on first use, removed by ``stop()``."""
+        if self._job_tmp is None:
+            # short on purpose: Ray puts unix sockets under RAY_TMPDIR (107-byte path limit)
+            self._job_tmp = Path(tempfile.mkdtemp(prefix="gbgym-"))
+        return self._job_tmp
+
     def config_dict(self) -> dict[str, Any]:
         cfg: dict[str, Any] = {
             # Read (never contacted) by every genuine server when the dict is injected.
@@ -252,6 +330,25 @@ class GenuineStack:
         return self.instances[name].url
 
     def start(self, ready_timeout_s: float = 90.0) -> None:
+        """Launch every genuine member, wait until all answer; on a lost port, restart on fresh ports."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self._start_once(ready_timeout_s)
+                return
+            except PortTakenError as exc:
+                if attempt == START_ATTEMPTS:
+                    raise
+                LOG.warning("genuine stack: %s; restarting on fresh ports (attempt %d)", exc, attempt + 1)
+                self.reassign_ports()
+
+    def reassign_ports(self) -> None:
+        """Fresh ports for every launched member (and the head); external members keep theirs."""
+        self.head_port = free_port()
+        for inst in self.instances.values():
+            if inst.launch:
+                inst.port = free_port()
+
+    def _start_once(self, ready_timeout_s: float) -> None:
         if self._site is None:
             self._site = gym_site_packages()
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -274,7 +371,7 @@ class GenuineStack:
             log_path = self.log_dir / f"{inst.name}.log"
             log_file = log_path.open("wb")
             proc = subprocess.Popen(
-                argv,
+                [sys.executable, "-c", PDEATHSIG_EXEC, str(os.getpid()), *argv],
                 cwd=cwd,
                 env={**env, "NEMO_GYM_CONFIG_PATH": inst.name},
                 stdout=log_file,
@@ -309,6 +406,14 @@ class GenuineStack:
                     self.stop()
                     raise GenuineServerError(f"genuine servers not ready after {timeout_s:.0f} s:\n{tails}")
                 time.sleep(0.2)
+        # A foreign listener could have answered for a server that then failed to bind: re-check.
+        time.sleep(0.2)
+        for gp in self.processes.values():
+            try:
+                gp.check_alive()
+            except GenuineServerError:
+                self.stop()
+                raise
 
     def check_alive(self) -> None:
         for gp in self.processes.values():
@@ -318,11 +423,13 @@ class GenuineStack:
         return "\n".join(f"--- {n}:\n{gp.log_tail(max_chars)}" for n, gp in self.processes.items())
 
     def stop(self) -> None:
+        """Stop every launched member (process group); remove the stack's own temp folder."""
         for gp in self.processes.values():
             gp.stop()
         self.processes.clear()
-        if self._own_tmp:
-            shutil.rmtree(self.job_tmp, ignore_errors=True)
+        if self._own_tmp and self._job_tmp is not None:
+            shutil.rmtree(self._job_tmp, ignore_errors=True)
+            self._job_tmp = None
 
     def collect(
         self,
@@ -351,15 +458,28 @@ class GenuineStack:
         )
         env = child_env(self.job_tmp)
         env["NEMO_GYM_CONFIG_DICT"] = yaml.safe_dump(cfg, sort_keys=False)
-        return subprocess.run(
-            [str(GYM_PYTHON), "-c", "from nemo_gym.cli.eval import collect_rollouts; collect_rollouts()"],
+        argv = [str(GYM_PYTHON), "-c", "from nemo_gym.cli.eval import collect_rollouts; collect_rollouts()"]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", PDEATHSIG_EXEC, str(os.getpid()), *argv],
             cwd=output_jsonl.parent,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
             text=True,
-            timeout=timeout_s,
             start_new_session=True,
         )
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            # the whole group: whatever the collector started must not outlive the test
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise GenuineServerError(
+                f"genuine collector still running after {timeout_s:.0f} s; stderr tail:\n{err[-3000:]}"
+            ) from None
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @contextlib.contextmanager

@@ -1,7 +1,11 @@
 """Fixtures for the ``gym`` conformance suite: genuine NeMo Gym 0.7.0 servers as subprocesses.
 
-Every test here is marked ``gym``. The whole folder is skipped with a reason naming the fix when
-``.venv-gym`` (built by ``scripts/setup_gym_venv.sh``) is absent, so unit tests run alone.
+Every test here is marked ``gym``. The whole folder is skipped with a reason naming the fix (and
+the last failure of ``scripts/setup_gym_venv.sh``, if any) when ``.venv-gym`` is absent, so unit
+tests run alone. ``GYMBRIDGE_REQUIRE_GYM=1`` turns that skip into a failure (for CI set-ups that
+must never pass without the genuine suite). Modules that set ``NEEDS_GYM_VENV = False`` (checks of
+the set-up itself) run either way. A genuine conformance regression is never a skip: gymbridge
+modules are imported plainly, so a broken one fails collection instead of skipping.
 
 Fixtures (session-scoped where a server is stateless per rollout, to keep the suite fast):
 
@@ -29,10 +33,13 @@ from typing import Any
 import pytest
 from _genuine import (
     KIND_RESOURCES,
+    REQUIRE_GYM,
     GenuineStack,
     gym_venv_problem,
 )
 from _gym_support import MODEL_NAME, ScriptBook, ThreadedLoop, add_genuine_simple_agent, add_scripted_model
+
+from gymbridge.testing.scripted_model import ScriptedModelServer
 
 # environments/ (our example environments) is imported by package name from the repo root.
 _REPO_ROOT = str(Path(__file__).resolve().parents[2])
@@ -46,8 +53,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.gym)
-            if problem:
+            if not problem or getattr(item.module, "NEEDS_GYM_VENV", True) is False:
+                continue
+            if not REQUIRE_GYM:
                 item.add_marker(pytest.mark.skip(reason=f"gym suite skipped: {problem}"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """With GYMBRIDGE_REQUIRE_GYM=1, an unusable gym venv fails each test before any fixture runs."""
+    if not REQUIRE_GYM or getattr(getattr(item, "module", None), "NEEDS_GYM_VENV", True) is False:
+        return
+    if Path(__file__).parent not in Path(str(item.fspath)).parents:
+        return
+    problem = gym_venv_problem()
+    if problem:
+        pytest.fail(f"GYMBRIDGE_REQUIRE_GYM=1 but the gym suite cannot run: {problem}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
@@ -64,10 +85,7 @@ def script_book() -> ScriptBook:
 
 @pytest.fixture(scope="session")
 def scripted_model(fixture_loop: ThreadedLoop, script_book: ScriptBook) -> Iterator[Any]:
-    scripted = pytest.importorskip(
-        "gymbridge.testing.scripted_model", reason="gymbridge.testing.scripted_model is missing"
-    )
-    server = scripted.ScriptedModelServer(script_book, instance_name=MODEL_NAME)
+    server = ScriptedModelServer(script_book, instance_name=MODEL_NAME)
     fixture_loop.run(server.start())
     yield server
     fixture_loop.run(server.stop())

@@ -23,10 +23,11 @@ from _genuine import GenuineStack
 from _gym_support import ScriptBook, counter_script, scripted
 from _oracles import circle_click as circle_click_oracle
 
+import gymbridge.client as client_mod
+import gymbridge.trajectory as trajectory_mod
+
 pytestmark = pytest.mark.gym
 
-client_mod = pytest.importorskip("gymbridge.client", reason="gymbridge.client (GymClient) is missing")
-trajectory_mod = pytest.importorskip("gymbridge.trajectory", reason="gymbridge.trajectory is missing")
 
 GENUINE_ROWS = Path(__file__).parent / "recorded" / "rows"
 

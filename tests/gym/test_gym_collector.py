@@ -24,11 +24,11 @@ from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, GenuineStack
 from _gym_support import ScriptBook, ThreadedLoop
 from _oracles import counter as counter_oracle
 
-pytestmark = pytest.mark.gym
+import environments.counter.data as counter_data
+import environments.counter.server as counter_server
+import gymbridge.server as server_sdk
 
-server_sdk = pytest.importorskip("gymbridge.server", reason="gymbridge.server (our simple agent) is missing")
-counter_data = pytest.importorskip("environments.counter.data", reason="environments/counter is missing")
-counter_server = pytest.importorskip("environments.counter.server", reason="environments/counter is missing")
+pytestmark = pytest.mark.gym
 
 
 @pytest.fixture

@@ -21,6 +21,9 @@ from _genuine import NEMO_GYM_VERSION, GenuineStack
 from _golden import check_or_record
 from _gym_support import ScriptBook
 
+import environments.counter.server as counter_server
+import gymbridge.server as server_sdk
+
 pytestmark = pytest.mark.gym
 
 GENUINE_DATA = Path(__file__).parent / "recorded" / "rows"
@@ -81,7 +84,7 @@ def run(
     agent: str,
     row: dict[str, Any],
     *,
-    timeout_s: float = 30.0,
+    timeout_s: float = 60.0,
 ) -> httpx.Response:
     return httpx.post(f"{stack.url(agent)}/run", json=row, timeout=timeout_s, trust_env=False)
 
@@ -352,7 +355,7 @@ def test_genuine_resources_server_endpoints(genuine_stack: GenuineStack) -> None
         ("POST", "/get_counter_value", {}),
     ]
     exchanges = []
-    with httpx.Client(base_url=base, timeout=10, trust_env=False) as client:  # keeps the session cookie
+    with httpx.Client(base_url=base, timeout=30, trust_env=False) as client:  # keeps the session cookie
         for method, path, body in calls:
             r = client.request(method, path, json=body) if body is not None else client.request(method, path)
             exchanges.append(
@@ -436,17 +439,13 @@ def _check_or_record_exchanges(record: dict[str, Any]) -> None:
 
 def test_our_counter_answers_like_genuine(fixture_loop: Any) -> None:
     """Replay the recorded genuine exchanges against our counter: same statuses, same tool bodies."""
-    server_sdk = pytest.importorskip("gymbridge.server", reason="gymbridge.server is missing")
-    counter_server = pytest.importorskip(
-        "environments.counter.server", reason="environments/counter is missing"
-    )
     from _golden import load
 
     golden = load("example_session_state_mgmt__endpoints")
     running = fixture_loop.run(server_sdk.start_server(counter_server.CounterServer(instance_name="counter")))
     try:
         got = []
-        with httpx.Client(base_url=running.url, timeout=10, trust_env=False) as client:
+        with httpx.Client(base_url=running.url, timeout=30, trust_env=False) as client:
             for e in golden["exchanges"]:
                 body = e["request"]
                 r = (

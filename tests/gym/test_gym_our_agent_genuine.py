@@ -25,9 +25,10 @@ from _gym_support import ScriptBook, ThreadedLoop, counter_script, scripted
 from _oracles import circle_click as circle_click_oracle
 from aiohttp import web
 
+import gymbridge.server as server_sdk
+
 pytestmark = pytest.mark.gym
 
-server_sdk = pytest.importorskip("gymbridge.server", reason="gymbridge.server (our simple agent) is missing")
 
 GENUINE_ROWS = Path(__file__).parent / "recorded" / "rows"
 
