@@ -38,7 +38,7 @@ from gymbridge.errors import ConfigError, GymbridgeError
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["COMMAND_GROUPS", "build_parser", "main"]
+__all__ = ["COMMAND_GROUPS", "build_parser", "main", "run_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -199,12 +199,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gymbridge: cannot load command group {chosen}: {exc}", file=sys.stderr)
         return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_command(args, prog="gymbridge", log_level=args.log_level)
+
+
+def run_command(args: argparse.Namespace, *, prog: str, log_level: str) -> int:
+    """Run the ``func`` a subcommand set on ``args`` and return the exit code.
+
+    The one place every entry point (``gymbridge``, ``python -m gymbridge.trainer.smoke``,
+    ``python -m gymbridge.generation.cli``) turns errors into exit codes: a library error is
+    exit 2 with one ``<prog>: error: ...`` line on stderr, Ctrl-C is 130, never a traceback.
+    """
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        return int(func(args))
     except GymbridgeError as exc:
-        print(f"gymbridge: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

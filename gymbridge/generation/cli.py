@@ -111,17 +111,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry: ``python -m gymbridge.generation.cli serve ...``."""
-    from gymbridge.errors import GymbridgeError
+    from gymbridge.cli import run_command
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="gymbridge model")
     add_model_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        return int(args.func(args))
-    except GymbridgeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return run_command(args, prog="gymbridge model", log_level="INFO")
 
 
 if __name__ == "__main__":

@@ -451,7 +451,7 @@ def add_smoke_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m gymbridge.trainer.smoke [options]`` (same options as ``gymbridge smoke``)."""
-    from gymbridge.errors import GymbridgeError
+    from gymbridge.cli import run_command
 
     parser = argparse.ArgumentParser(
         prog="gymbridge smoke", description=__doc__.splitlines()[0] if __doc__ else None
@@ -459,14 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     add_smoke_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return int(args.func(args))
-    except GymbridgeError as exc:
-        print(f"gymbridge smoke: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(args, prog="gymbridge smoke", log_level=args.log_level)
 
 
 if __name__ == "__main__":
