@@ -145,8 +145,39 @@ def add_usage(total: dict[str, Any] | None, usage: Any) -> dict[str, Any] | None
     return out
 
 
+def _with_termination_reason(response: dict[str, Any], reason: str) -> None:
+    """Set ``metadata.ng_termination_reason`` (stock simple_agent's field), keeping other metadata."""
+    metadata = response.get("metadata")
+    kept = metadata if isinstance(metadata, dict) else {}
+    response["metadata"] = {**kept, "ng_termination_reason": reason}
+
+
+class _Conversation:
+    """What both episode styles keep: the initial input, every item since, the summed usage."""
+
+    def __init__(self, base_input: list[Any]) -> None:
+        self.base_input = base_input
+        self.outputs: list[Any] = []
+        self.usage: dict[str, Any] | None = None
+        self.last_response: dict[str, Any] = {}
+
+    def model_input(self) -> list[Any]:
+        """The next model call's input: the initial input, then every item so far."""
+        return self.base_input + self.outputs
+
+    def _record(self, response: dict[str, Any]) -> list[Any]:
+        """Record one model response (its items join the conversation); returns its output list."""
+        output = response.get("output")
+        if not isinstance(output, list):
+            raise ProtocolError("the model response has no output list")
+        self.last_response = response
+        self.outputs.extend(output)
+        self.usage = add_usage(self.usage, response.get("usage"))
+        return output
+
+
 # ------------------------------------------------------------------ tool style
-class ToolEpisode:
+class ToolEpisode(_Conversation):
     """One tool-style rollout's conversation: model -> tool calls -> model ... -> the response.
 
     The caller does the I/O::
@@ -164,15 +195,8 @@ class ToolEpisode:
     """
 
     def __init__(self, rcp: Mapping[str, Any]) -> None:
-        self.base_input = input_items(rcp.get("input"))
-        self.outputs: list[Any] = []
-        self.usage: dict[str, Any] | None = None
+        super().__init__(input_items(rcp.get("input")))
         self.status = "completed"
-        self.last_response: dict[str, Any] = {}
-
-    def model_input(self) -> list[Any]:
-        """The next model call's input: the row's input, then every item so far."""
-        return self.base_input + self.outputs
 
     def add_response(self, response: dict[str, Any]) -> list[dict[str, Any]] | None:
         """Record one model response; the function calls to run, or None when the episode ends.
@@ -181,12 +205,7 @@ class ToolEpisode:
         call and no assistant message (reasoning only, or nothing) ends it incomplete
         with ``metadata.ng_termination_reason``; no call but a message is the answer.
         """
-        output = response.get("output")
-        if not isinstance(output, list):
-            raise ProtocolError("the model response has no output list")
-        self.last_response = response
-        self.outputs.extend(output)
-        self.usage = add_usage(self.usage, response.get("usage"))
+        output = self._record(response)
         if response.get("incomplete_details"):
             self.status = "incomplete"
             return None
@@ -196,10 +215,7 @@ class ToolEpisode:
             return calls
         if not any(o.get("type") == "message" and o.get("role") == "assistant" for o in items):
             self.status = "incomplete"
-            response["metadata"] = {
-                **(response.get("metadata") or {}),
-                "ng_termination_reason": "incomplete_reasoning" if output else "empty_output",
-            }
+            _with_termination_reason(response, "incomplete_reasoning" if output else "empty_output")
         return None
 
     def stop_at_max_steps(self) -> None:
@@ -266,7 +282,7 @@ class StepAnswer:
         return self.terminated or self.truncated
 
 
-class GymnasiumEpisode:
+class GymnasiumEpisode(_Conversation):
     """One gymnasium-style rollout's conversation: ``/reset`` -> (model -> ``/step``)* -> result.
 
     The caller does the I/O::
@@ -293,13 +309,10 @@ class GymnasiumEpisode:
         if not isinstance(rcp, Mapping):
             raise ProtocolError("the row has no responses_create_params object")
         self.row = dict(row)
-        self.base_input = input_items(rcp.get("input"))
-        self.rcp = {**rcp, "input": self.base_input}
+        super().__init__(input_items(rcp.get("input")))
+        self.rcp = {**rcp, "input": self.base_input}  # the same list: the reset observation joins it
         self.supports_close = False
-        self.outputs: list[Any] = []
-        self.usage: dict[str, Any] | None = None
         self.total_reward = 0.0
-        self.last_response: dict[str, Any] = {}
         self.last_step: StepAnswer | None = None
         self.context_exhausted = False
         """The model produced nothing and said why (e.g. the prompt filled the context): stop.
@@ -316,18 +329,9 @@ class GymnasiumEpisode:
         if first is not None:
             self.base_input.append(first)
 
-    def model_input(self) -> list[Any]:
-        """The next model call's input: the reset conversation, then every item so far."""
-        return self.base_input + self.outputs
-
     def add_response(self, response: dict[str, Any]) -> dict[str, Any]:
         """Record one model response; returns the ``/step`` body (the row + this turn's response)."""
-        output = response.get("output")
-        if not isinstance(output, list):
-            raise ProtocolError("the model response has no output list")
-        self.last_response = response
-        self.outputs.extend(output)
-        self.usage = add_usage(self.usage, response.get("usage"))
+        output = self._record(response)
         self.context_exhausted = not output and response.get("status") == "incomplete"
         return {**self.row, "response": response}
 
@@ -351,11 +355,7 @@ class GymnasiumEpisode:
             "status": "completed" if finished else "incomplete",
         }
         if self.context_exhausted:
-            metadata = response.get("metadata")
-            response["metadata"] = {
-                **(metadata if isinstance(metadata, dict) else {}),
-                "ng_termination_reason": "empty_output",
-            }
+            _with_termination_reason(response, "empty_output")
         return {
             **self.row,
             "responses_create_params": self.rcp,
