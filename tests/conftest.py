@@ -8,8 +8,13 @@ on a machine without CUDA is skipped with a reason instead of failing.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.testing.tiny_vlm import TinyVLM
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -31,3 +36,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> TinyVLM:
+    """The tiny offline Qwen2-VL (random weights, seed 0), built once per session."""
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gen() -> HFGenerator:
+    """An ``HFGenerator`` over the tiny model (seed 0), built once per session."""
+    from gymbridge.generation.hf import HFGenerator
+
+    return HFGenerator.tiny(0)

@@ -1,4 +1,4 @@
-"""Fixtures for the native-rollout tests: the tiny generator and the zoom_read environment."""
+"""Fixtures for the native-rollout tests: the zoom_read environment (tiny generator: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -13,20 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 for extra in (ROOT, ROOT / "tests" / "generation"):  # example environments; shared test helpers
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
-
-from gymbridge.generation.hf import HFGenerator  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_gen() -> HFGenerator:
-    return HFGenerator.tiny(0)
-
-
-@pytest.fixture(scope="session")
-def tiny(tiny_gen: HFGenerator) -> Any:
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
-
-    return build_tiny_vlm(0)
 
 
 @pytest.fixture

@@ -11,14 +11,9 @@ from tensor_helpers import image, mixed_batch, png_bytes, traj, turn
 from gymbridge.errors import TrajectoryError
 from gymbridge.media import MediaItem
 from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch, group_advantages
-from gymbridge.testing.tiny_vlm import TinyVLM, build_tiny_vlm
+from gymbridge.testing.tiny_vlm import TinyVLM
 
 G = 4
-
-
-@pytest.fixture(scope="module")
-def tiny() -> TinyVLM:
-    return build_tiny_vlm(0)
 
 
 @pytest.fixture

@@ -10,13 +10,8 @@ from trainer_helpers import make_batch, with_current_logprobs
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.tensors import TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM, build_tiny_vlm
+from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, grpo_token_loss, tiny_policy, token_logprobs
-
-
-@pytest.fixture(scope="module")
-def tiny() -> TinyVLM:
-    return build_tiny_vlm(0)
 
 
 @pytest.fixture(scope="module")
