@@ -36,10 +36,8 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "assistant_text",
     "count_reward",
-    "data_url",
     "first_call_arguments",
     "function_calls",
-    "image_part",
     "parse_int_answer",
     "png_bytes",
     "png_data_url",
@@ -55,11 +53,6 @@ def row_rng(env_name: str, seed: int, index: int) -> random.Random:
     return random.Random(f"gymbridge/{env_name}/{seed}/{index}")
 
 
-def data_url(raw: bytes, mime: str) -> str:
-    """``data:<mime>;base64,<payload>`` for ``raw`` (what the model servers accept inline)."""
-    return encode_data_url(raw, mime)
-
-
 def png_bytes(image: Image.Image) -> bytes:
     """Deterministic PNG encoding (no timestamps or text chunks are written by Pillow)."""
     buf = io.BytesIO()
@@ -68,12 +61,7 @@ def png_bytes(image: Image.Image) -> bytes:
 
 
 def png_data_url(image: Image.Image) -> str:
-    return data_url(png_bytes(image), "image/png")
-
-
-def image_part(url: str) -> JsonDict:
-    """A Responses ``input_image`` part (``detail`` always sent, as stock Gym does)."""
-    return {"type": "input_image", "image_url": url, "detail": "auto"}
+    return encode_data_url(png_bytes(image), "image/png")
 
 
 def write_jsonl(rows: Iterable[Mapping[str, Any]], path: str | os.PathLike[str]) -> int:

@@ -24,7 +24,8 @@ from typing import Any, Literal
 import numpy as np
 import soundfile as sf
 
-from environments._common import data_url, row_rng
+from environments._common import row_rng
+from gymbridge.media import encode_data_url
 
 ENV_NAME = "beep_count"
 
@@ -129,7 +130,7 @@ def make_row(
             {"type": "input_audio", "input_audio": {"data": base64.b64encode(raw).decode(), "format": "wav"}},
         )
     elif audio_via == "metadata":
-        params["metadata"] = {"audio_data": data_url(raw, "audio/wav")}
+        params["metadata"] = {"audio_data": encode_data_url(raw, "audio/wav")}
     else:
         raise ValueError(f"audio_via must be 'metadata' or 'part', got {audio_via!r}")
     return {

@@ -25,7 +25,8 @@ from typing import Any
 import av
 import numpy as np
 
-from environments._common import data_url, row_rng
+from environments._common import row_rng
+from gymbridge.media import encode_data_url
 
 ENV_NAME = "bouncing_ball"
 
@@ -169,7 +170,7 @@ def make_row(
         path.write_bytes(raw)
         video_url = path.as_uri()
     else:
-        video_url = data_url(raw, "video/mp4")
+        video_url = encode_data_url(raw, "video/mp4")
     return {
         "responses_create_params": {
             "input": [

@@ -19,7 +19,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from environments._common import image_part, png_data_url, row_rng
+from environments._common import png_data_url, row_rng
+from gymbridge.server import image_part
 
 ENV_NAME = "circle_click"
 

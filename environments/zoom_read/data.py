@@ -20,7 +20,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from environments._common import image_part, png_data_url, row_rng
+from environments._common import png_data_url, row_rng
+from gymbridge.server import image_part
 
 ENV_NAME = "zoom_read"
 TARGET_COLOR = (220, 30, 30)

@@ -28,7 +28,6 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
 import inspect
 import typing
 from collections.abc import Callable, Sequence
@@ -37,6 +36,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
+from gymbridge.media import encode_data_url
 from gymbridge.server._base import HttpError, Session
 
 __all__ = [
@@ -62,28 +62,24 @@ class _DataUrlMedia(Protocol):
 
     modality: str
 
-    def to_data_url(self) -> str: ...
-
-
-def _data_url(raw: bytes, mime: str) -> str:
-    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+    def toencode_data_url(self) -> str: ...
 
 
 def image_part(image: bytes | str, mime: str = "image/png", detail: str = "auto") -> dict[str, Any]:
     """An ``input_image`` part from encoded bytes or an existing URL / data URL (``detail`` always sent)."""
-    url = image if isinstance(image, str) else _data_url(image, mime)
+    url = image if isinstance(image, str) else encode_data_url(image, mime)
     return {"type": "input_image", "image_url": url, "detail": detail}
 
 
 def audio_part(audio: bytes | str, mime: str = "audio/wav") -> dict[str, Any]:
     """An ``input_audio`` part (gymbridge extension; stock Gym carries audio in metadata)."""
-    url = audio if isinstance(audio, str) else _data_url(audio, mime)
+    url = audio if isinstance(audio, str) else encode_data_url(audio, mime)
     return {"type": "input_audio", "audio_url": url}
 
 
 def video_part(video: bytes | str, mime: str = "video/mp4") -> dict[str, Any]:
     """An ``input_video`` part from encoded bytes or a ``file://`` / data URL."""
-    url = video if isinstance(video, str) else _data_url(video, mime)
+    url = video if isinstance(video, str) else encode_data_url(video, mime)
     return {"type": "input_video", "video_url": url}
 
 
@@ -92,7 +88,7 @@ def media_part(item: Any) -> dict[str, Any]:
     if isinstance(item, dict):
         return item
     if isinstance(item, _DataUrlMedia):
-        url = item.to_data_url()
+        url = item.toencode_data_url()
         if item.modality == "audio":
             return audio_part(url)
         if item.modality == "video":
