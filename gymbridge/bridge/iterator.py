@@ -28,8 +28,20 @@ Invariants:
   does a dataset that ends without a single completed group;
 * a rollout that *generated* a media placeholder token is a failure
   (``GeneratedPlaceholderToken``): the VLM could not teacher-force it against its media;
-* rollouts for a batch start only when that batch is asked for (no run-ahead), so a
-  trainer that updates the generator's weights between batches stays on-policy;
+* **bounded staleness** (``max_staleness = k``): rollouts for a batch start when it, or one of
+  the ``k`` batches before it, is asked for, so with ``k = 0`` (the default) nothing runs ahead
+  and a trainer that updates the generator's weights between batches stays on-policy; with
+  ``k > 0`` the groups of the next ``k`` batches keep running while the caller trains (across
+  weight updates). A group is trained only if ``policy_version - oldest`` is at most ``k``
+  for each of its trajectories, where :attr:`BridgeIterator.policy_version` is the trainer's
+  version (the caller sets it before asking for a batch) and ``oldest`` is the oldest policy
+  version among the trajectory's turns (``Trajectory.oldest_policy_version``; the version the
+  iterator had when the group started when the generator does not stamp versions). An older
+  group is dropped: every rollout is recorded with class ``stale``, the group with class
+  ``stale`` (``stats.groups_dropped_stale``), never trained silently;
+* **resumable position**: :attr:`BridgeIterator.done_task_indices` are the rows whose group
+  was consumed (trained, failed or dropped); ``skip_task_indices`` (a resumed run's done rows)
+  are never started again. Groups in flight are not done: a resumed run starts them afresh;
 * ``_ng_task_index`` is the row's position in the dataset; rows are never mutated.
 
 Sync iteration (``for batch in it``) runs the async machinery on a private event loop;
@@ -79,6 +91,8 @@ class BridgeStats:
     """Completed groups of a final partial batch discarded by ``drop_last`` (each recorded)."""
     groups_zero_variance: int = 0
     """Completed groups whose rewards are all equal (zero advantages: no learning signal)."""
+    groups_dropped_stale: int = 0
+    """Groups older than ``max_staleness`` policy versions when their batch was asked for (recorded)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     rollouts_dropped: int = 0
@@ -103,6 +117,10 @@ class GroupResult:
     failures: list[dict[str, Any]]
     rewards: list[float]
     elapsed_s: float
+    started_version: int = 0
+    """:attr:`BridgeIterator.policy_version` when the group's rollouts started."""
+    staleness: int = 0
+    """Policy versions between the oldest turn of the group and the version that consumed it."""
 
 
 def read_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any] | Exception]:
@@ -136,6 +154,12 @@ def _rollout_of(traj: Trajectory) -> int:
     return -1 if traj.rollout_index is None else traj.rollout_index
 
 
+def _oldest_version(traj: Trajectory) -> int | None:
+    """The oldest policy version among ``traj``'s turns (``None``: the generator stamps none)."""
+    version: int | None = getattr(traj, "oldest_policy_version", None)
+    return version
+
+
 class BridgeIterator:
     """Iterate ``TrainBatch`` es of ``prompts_per_batch`` groups of ``group_size`` rollouts.
 
@@ -157,6 +181,9 @@ class BridgeIterator:
         reward_fn: reward shaping (length penalty, format bonus, ...): the trained reward becomes
             ``reward_fn(trajectory)``; the environment's stays in ``metadata["env_reward"]`` and the
             difference is the ``"shaping"`` reward component. A non-finite value fails the rollout.
+        max_staleness: ``k``: groups of the next ``k`` batches run ahead; a group more than ``k``
+            policy versions old when its batch is asked for is dropped as ``stale`` (module docstring).
+        skip_task_indices: rows never to start (a resumed run's :attr:`done_task_indices`).
     """
 
     def __init__(
@@ -179,6 +206,8 @@ class BridgeIterator:
         replay: ReplayBuffer | None = None,
         placeholder_token_ids: Iterable[int] | None = None,
         reward_fn: Callable[[Trajectory], float] | None = None,
+        max_staleness: int = 0,
+        skip_task_indices: Iterable[int] = (),
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -189,6 +218,8 @@ class BridgeIterator:
             raise ValueError(f"min_group_size must be in [1, {group_size}], got {min_group_size}")
         if max_consecutive_failed_groups < 1:
             raise ValueError("max_consecutive_failed_groups must be >= 1")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.source = source
         self.processor = processor
         self.group_size = group_size
@@ -208,10 +239,18 @@ class BridgeIterator:
             placeholder_token_ids = [t for t in found if t is not None]
         self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
         self.reward_fn = reward_fn
+        self.max_staleness = max_staleness
+        self.policy_version = 0
+        """The trainer's policy version: set it before asking for a batch (staleness is measured from it)."""
+        self.done_task_indices: set[int] = set()
+        """Rows whose group was consumed: trained, failed or dropped (a resume skips them)."""
+        self._skip = frozenset(skip_task_indices)
         self.stats = BridgeStats()
         self.failures: list[dict[str, Any]] = []
         self.last_groups: list[GroupResult] = []
         """The groups of the most recently yielded batch (rewards, trajectories, partial failures)."""
+        self.last_dropped_stale: list[GroupResult] = []
+        """The groups dropped as ``stale`` while the most recent batch was assembled."""
         self._rows = enumerate(read_rows(rows))
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
@@ -333,8 +372,9 @@ class BridgeIterator:
                 )
         return None
 
-    async def _run_group(self, task_index: int, row: Mapping[str, Any] | Exception) -> GroupResult:
-
+    async def _run_group(
+        self, task_index: int, row: Mapping[str, Any] | Exception, started_version: int = 0
+    ) -> GroupResult:
         started = time.monotonic()
         failures: list[dict[str, Any]] = []
         trajs: list[Trajectory] = []
@@ -412,7 +452,9 @@ class BridgeIterator:
             }
             self._record(record)
             failures.append(record)
-        return GroupResult(task_index, batch, trajs, failures, rewards, time.monotonic() - started)
+        return GroupResult(
+            task_index, batch, trajs, failures, rewards, time.monotonic() - started, started_version
+        )
 
     def _build(self, trajs: list[Trajectory]) -> TrainBatch:
         from gymbridge.tensors import TrainBatch
@@ -429,8 +471,65 @@ class BridgeIterator:
             except StopIteration:
                 self._exhausted = True
                 break
+            if task_index in self._skip:
+                continue
             self.stats.prompts_started += 1
-            self._pending.append(asyncio.ensure_future(self._run_group(task_index, row)))
+            self._pending.append(asyncio.ensure_future(self._run_group(task_index, row, self.policy_version)))
+
+    @property
+    def in_flight(self) -> int:
+        """Groups started and not yet consumed."""
+        return len(self._pending)
+
+    def _staleness(self, group: GroupResult) -> int:
+        """Versions between ``policy_version`` and the oldest turn of ``group`` (0 for an empty group)."""
+        oldest: list[int] = []
+        for traj in group.trajectories:
+            version = _oldest_version(traj)
+            oldest.append(group.started_version if version is None else version)
+        return max((self.policy_version - v for v in oldest), default=0)
+
+    def _drop_stale(self, group: GroupResult) -> None:
+        """Record a group too old to train: each rollout as ``stale``, then the group (never silent)."""
+        self.stats.groups_dropped_stale += 1
+        k = self.max_staleness
+        for traj in group.trajectories:
+            version = _oldest_version(traj)
+            oldest = group.started_version if version is None else version
+            self.stats.rollouts_ok -= 1
+            if traj.mask_sample:
+                self.stats.rollouts_masked -= 1
+            self._rollout_failure(
+                group.task_index,
+                _rollout_of(traj),
+                "stale",
+                f"oldest policy version {oldest}, trainer at {self.policy_version}: "
+                f"{self.policy_version - oldest} > max_staleness {k}",
+                attempts=0,
+            )
+        logger.warning(
+            "group of task %d dropped: %d policy versions old (max_staleness %d)",
+            group.task_index,
+            group.staleness,
+            k,
+        )
+        self._record(
+            {
+                "kind": "group",
+                "task_index": group.task_index,
+                "succeeded": len(group.trajectories),
+                "group_size": self.group_size,
+                "failure_class": "stale",
+                "failure_reason": (
+                    f"{group.staleness} policy versions old when its batch was asked for "
+                    f"(trainer at {self.policy_version}, max_staleness {k})"
+                ),
+                "rollout_failure_classes": {"stale": len(group.trajectories)},
+                "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
+                "staleness": group.staleness,
+                "time": time.time(),
+            }
+        )
 
     def __aiter__(self) -> AsyncIterator[TrainBatch]:
         return self
@@ -439,11 +538,20 @@ class BridgeIterator:
         if self._closed:
             raise StopAsyncIteration
         groups: list[GroupResult] = []
+        self.last_dropped_stale = []
+        ahead = self.max_staleness * self.prompts_per_batch
         while len(groups) < self.prompts_per_batch:
-            self._start_more(self.prompts_per_batch - len(groups))
+            self._start_more(self.prompts_per_batch - len(groups) + ahead)
             if not self._pending:
                 break
             result = await self._pending.popleft()
+            self.done_task_indices.add(result.task_index)
+            if result.batch is not None:
+                result = replace(result, staleness=self._staleness(result))
+                if result.staleness > self.max_staleness:
+                    self._drop_stale(result)
+                    self.last_dropped_stale.append(result)
+                    continue
             if result.batch is None:
                 self.stats.groups_failed += 1
                 self._consecutive_failed += 1

@@ -33,9 +33,22 @@ occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with t
 ``--seed`` prints the same numbers on the native path, and the same set of samples per group
 on the Gym path (the rollout order within a group follows HTTP arrival).
 
+**Run directory, async GRPO, resume.** Every run writes ``config.yaml``, ``dataset.jsonl``,
+``metrics.jsonl`` (one record per step, :func:`~gymbridge.trainer.rundir.step_record`),
+``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.trainer.rundir`,
+printed first, never deleted). ``rollout.max_staleness: k > 0`` lets the rollouts of the next
+``k`` batches run while the trainer trains; the generator then samples from its own copy of
+the policy, which receives the trainer's weights after every optimizer step (policy version
+``v`` = optimizer steps so far), and the bridge drops groups more than ``k`` versions old as
+``stale``. ``checkpoint_every: N`` writes :mod:`gymbridge.trainer.checkpoint` checkpoints;
+``--resume DIR`` continues from the latest one (the run's own config and dataset), and a run
+killed at any moment resumes with each step in ``metrics.jsonl`` once and every dataset row
+trained once or recorded in ``failures.jsonl``.
+
 Invariants: nothing is downloaded; nothing listens outside 127.0.0.1; the training step runs
-off the event loop so the servers stay responsive; failed rollouts land in
-``<work_dir>/failures.jsonl`` and in the printed counters.
+off the event loop so the servers (and, with ``max_staleness > 0``, the next batches'
+rollouts) keep going; failed rollouts land in ``<run_dir>/failures.jsonl`` and in the printed
+counters.
 """
 
 from __future__ import annotations
@@ -43,19 +56,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import functools
 import importlib
 import logging
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import orjson
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
+from gymbridge.bridge.replay import write_atomic
 from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
@@ -64,11 +78,30 @@ from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from gymbridge.trainer.rundir import RunDir
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_CONFIG", "SmokeConfig", "SmokeResult", "add_smoke_commands", "main", "run_smoke"]
+__all__ = [
+    "DEFAULT_CONFIG",
+    "RolloutConfig",
+    "SmokeConfig",
+    "SmokeResult",
+    "add_smoke_commands",
+    "main",
+    "run_smoke",
+]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+
+
+class RolloutConfig(StrictModel):
+    """How rollouts are scheduled against training (the ``rollout:`` section)."""
+
+    max_staleness: int = Field(0, ge=0)
+    """``k``: 0 trains on-policy (rollouts of a batch start when it is asked for); ``k > 0`` runs the
+    next ``k`` batches' rollouts while the trainer trains, and drops (records as ``stale``) a
+    trajectory whose oldest turn is more than ``k`` policy versions behind the trainer."""
 
 
 class SmokeConfig(StrictModel):
@@ -101,9 +134,13 @@ class SmokeConfig(StrictModel):
     """0: train in this process; N: N Ray actors (the ``ray`` extra)."""
     ray_num_cpus: int = Field(2, ge=1)
     replay_capacity_groups: int = Field(0, ge=0)
-    """> 0: keep a replay buffer and checkpoint it atomically after every step."""
-    work_dir: str | None = None
-    """Dataset, failures jsonl and replay checkpoint (default: a fresh temporary directory)."""
+    """> 0: keep a replay buffer (saved in every run checkpoint)."""
+    run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
+    """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
+    default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
+    checkpoint_every: int = Field(0, ge=0)
+    """> 0: write a run checkpoint every N steps (``--resume`` continues from the latest)."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
@@ -125,7 +162,10 @@ class SmokeResult:
     payload_table: str = ""
     urls: dict[str, str] = field(default_factory=dict)
     """The servers this run started (all stopped when it returns)."""
-    work_dir: str = ""
+    run_dir: str = ""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """This process's ``metrics.jsonl`` records (a resumed run: the steps it ran)."""
+    resumed_from_step: int = 0
     elapsed_s: float = 0.0
 
 
@@ -151,13 +191,14 @@ def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
         rows = list(spec.generate(n, cfg.seed, **cfg.env_params))
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"env_params: {cfg.env} generator: {exc}"]) from exc
-    with path.open("wb") as f:
-        for row in rows:
-            rcp = dict(row["responses_create_params"])
-            # sampling settings are valid Responses-API fields of the dataset row itself
-            rcp.setdefault("max_output_tokens", cfg.max_tokens)
-            rcp.setdefault("temperature", cfg.trainer.temperature)
-            f.write(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    lines: list[bytes] = []
+    for row in rows:
+        rcp = dict(row["responses_create_params"])
+        # sampling settings are valid Responses-API fields of the dataset row itself
+        rcp.setdefault("max_output_tokens", cfg.max_tokens)
+        rcp.setdefault("temperature", cfg.trainer.temperature)
+        lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    write_atomic(path, lines)  # a run killed here resumes with the whole dataset or writes it again
     return n
 
 
@@ -189,7 +230,7 @@ def _step_line(
     )
 
 
-async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> SmokeResult:
+async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resume: bool) -> SmokeResult:
     from tqdm.auto import tqdm
 
     from gymbridge.bridge import (
@@ -205,19 +246,30 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.models import from_config, tiny_policy
+    from gymbridge.trainer.rundir import payload_delta, step_record
 
     started = time.perf_counter()
-    result = SmokeResult(work_dir=str(work))
+    result = SmokeResult(run_dir=str(run.path))
     spec = _environments().get_env(cfg.env)
-    dataset = work / "dataset.jsonl"
-    n_rows = _write_dataset(cfg, spec, dataset)
-    print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
+    dataset = run.dataset_path
+    if resume and dataset.is_file():
+        n_rows = sum(1 for line in dataset.read_bytes().splitlines() if line.strip())
+        print(f"dataset: {n_rows} {cfg.env} rows (the run's own) -> {dataset}", file=out)
+    else:
+        n_rows = _write_dataset(cfg, spec, dataset)
+        print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
     tiny = build_tiny_vlm(cfg.model_seed)
-    policy = tiny_policy(cfg.model_seed)  # one model: the generator samples from what the trainer updates
-    generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+    policy = tiny_policy(cfg.model_seed)
+    run_ahead = cfg.rollout.max_staleness > 0
+    # on-policy: one model, the generator samples from what the trainer updates. Running ahead,
+    # the generator must not read weights the trainer is changing mid-step: it gets its own copy,
+    # and the trainer's weights are published to it after every optimizer step.
+    gen_model = copy.deepcopy(policy) if run_ahead else policy
+    generator = HFGenerator(gen_model, tiny.processor, max_model_len=cfg.max_model_len)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -226,7 +278,28 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             f"tokens made of {shaping.chars!r} ({len(shaping.token_ids)} token ids)",
             file=out,
         )
-    step_trainer: Any = GRPOTrainer(policy, cfg.trainer)
+    trainer = GRPOTrainer(policy, cfg.trainer)
+    step_trainer: Any = trainer
+    state: RunState | None = None
+    replay = ReplayBuffer(cfg.replay_capacity_groups, meter=meter) if cfg.replay_capacity_groups else None
+    if resume:
+        loaded = load_checkpoint(run.checkpoints_path, trainer=trainer, meter=meter)
+        if loaded is not None:
+            state, saved_replay = loaded
+            replay = saved_replay if saved_replay is not None else replay
+        run.rewind(
+            last_step=state.step if state else 0, done_task_indices=state.done_task_indices if state else ()
+        )
+        print(
+            f"resumed: step {state.step}/{cfg.steps}, policy version {state.policy_version}, "
+            f"{len(state.done_task_indices)} row(s) done ({state.path.name})"
+            if state is not None
+            else "resumed: no checkpoint yet, starting from step 1",
+            file=out,
+        )
+    version = state.policy_version if state is not None else 0
+    if run_ahead:
+        _publish(policy, generator, version)  # a resumed run's weights (a fresh one: a no-op copy)
 
     async with contextlib.AsyncExitStack() as stack:
         env = await start_server(spec.make_server())
@@ -284,13 +357,12 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
                 init_ray(cfg.ray_num_cpus)
                 stack.callback(ray.shutdown)  # ours: stopped after the workers (LIFO)
             step_trainer = RayDPTrainer(
-                step_trainer,
+                trainer,
                 functools.partial(from_config, type(policy), policy.config),
                 cfg.dp_workers,
                 meter=meter,
             )
             stack.callback(step_trainer.shutdown)
-        replay = ReplayBuffer(cfg.replay_capacity_groups, meter=meter) if cfg.replay_capacity_groups else None
         bridge = BridgeIterator(
             dataset,
             source,
@@ -300,37 +372,75 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             min_group_size=cfg.min_group_size,
             max_consecutive_failed_groups=cfg.max_consecutive_failed_groups,
             dedup=cfg.dedup,
-            failures_path=work / "failures.jsonl",
+            failures_path=run.failures_path,
             meter=meter,
             replay=replay,
             placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
             reward_fn=shaping,
+            max_staleness=cfg.rollout.max_staleness,
+            skip_task_indices=state.done_task_indices if state is not None else (),
         )
         stack.push_async_callback(bridge.aclose)
-        bar = tqdm(total=cfg.steps, desc="smoke", unit="step", disable=not progress, file=sys.stderr)
+        first = state.step + 1 if state is not None else 1
+        result.resumed_from_step = first - 1
+        bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
         stack.callback(bar.close)
-        for step in range(1, cfg.steps + 1):
+        for step in range(first, cfg.steps + 1):
+            step_started = time.perf_counter()
             before_ok, before_failed = bridge.stats.rollouts_ok, bridge.stats.rollouts_failed
+            payload_before = meter.report()
+            bridge.policy_version = version
             try:
                 batch = await bridge.__anext__()
             except StopAsyncIteration:
                 print(f"the dataset ran out after {step - 1} step(s)", file=out)
                 break
             metrics: StepMetrics = await asyncio.to_thread(step_trainer.step, batch)
+            sync_s = 0.0
+            if metrics.num_loss_tokens > 0:  # an optimizer step: a new policy version
+                version += 1
+                if run_ahead:
+                    sync_s = await asyncio.to_thread(_publish, policy, generator, version)
             result.steps.append(metrics)
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
             env_mean, bonus_mean = _group_rewards(bridge.last_groups)
             result.env_rewards.append(env_mean)
             result.shaping_rewards.append(bonus_mean)
+            record = step_record(
+                step,
+                metrics,
+                groups=bridge.last_groups,
+                dropped_stale=bridge.last_dropped_stale,
+                policy_version=version,
+                rollouts_ok=ok,
+                rollouts_failed=failed,
+                weight_sync_s=sync_s,
+                step_s=time.perf_counter() - step_started,
+                payload=payload_delta(payload_before, meter.report()),
+                env_reward_mean=env_mean,
+                shaping_reward_mean=bonus_mean,
+            )
+            run.append_metrics(record)
+            result.records.append(record)
             bar.update(1)
             bar.clear()
             line = _step_line(
                 step, cfg.steps, metrics, ok, failed, env_mean, bonus_mean if shaping is not None else None
             )
+            if run_ahead:
+                line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
             print(line, file=out, flush=True)
-            if replay is not None:
-                replay.save(work / "replay.ckpt")
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+                await asyncio.to_thread(
+                    save_checkpoint,
+                    run.checkpoints_path,
+                    step=step,
+                    policy_version=version,
+                    trainer=trainer,
+                    done_task_indices=set(bridge.done_task_indices),
+                    replay=replay,
+                )
         bar.close()
         result.rollouts_ok = bridge.stats.rollouts_ok
         result.rollouts_failed = bridge.stats.rollouts_failed
@@ -339,9 +449,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
         n = len(result.steps)
         env_first, env_last = result.env_rewards[0], result.env_rewards[-1]
         if shaping is not None:
-            first, last = result.shaping_rewards[0], result.shaping_rewards[-1]
+            first_r, last_r = result.shaping_rewards[0], result.shaping_rewards[-1]
             print(
-                f"\nshaped reward {first:.3f} -> {last:.3f} over {n} steps "
+                f"\nshaped reward {first_r:.3f} -> {last_r:.3f} over {n} steps "
                 f"(toy token_rate {shaping.chars!r}); env reward {env_first:.3f} -> {env_last:.3f}",
                 file=out,
             )
@@ -353,25 +463,66 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
         print(result.payload_table, file=out)
     result.elapsed_s = time.perf_counter() - started
     s = result.bridge_stats
+    stale = f", {s['groups_dropped_stale']} stale" if s.get("groups_dropped_stale") else ""
     print(
         f"\ndone: {len(result.steps)} step(s), {result.rollouts_ok} rollouts ok, "
         f"{result.rollouts_failed} failed ({s.get('groups_failed', 0)} failed group(s), "
-        f"{s.get('groups_zero_variance', 0)} zero-variance), "
-        f"{result.elapsed_s:.1f}s total; failures: {work / 'failures.jsonl'}",
+        f"{s.get('groups_zero_variance', 0)} zero-variance{stale}), "
+        f"{result.elapsed_s:.1f}s total; metrics: {run.metrics_path}, failures: {run.failures_path}",
         file=out,
     )
     return result
 
 
-def run_smoke(cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = False) -> SmokeResult:
-    """Run the smoke launcher to completion (its own event loop); every server is stopped on return."""
+def _publish(policy: Any, generator: Any, version: int) -> float:
+    """Copy the trainer's weights into the generator's own model (under its lock); seconds spent."""
+    import torch
+
+    started = time.perf_counter()
+    with generator._lock, torch.no_grad():
+        for dst, src in zip(generator.model.parameters(), policy.parameters(), strict=True):
+            dst.copy_(src)
+        generator.policy_version = version
+    return time.perf_counter() - started
+
+
+def run_smoke(
+    cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = False, resume: bool = False
+) -> SmokeResult:
+    """Run the smoke launcher to completion (its own event loop); every server is stopped on return.
+
+    The run directory (``cfg.run_dir``, default ``runs/<env>-<UTC timestamp>``) is printed first
+    and kept. ``resume=True`` continues the run in ``cfg.run_dir`` from its latest checkpoint.
+    """
+    from gymbridge.trainer.rundir import RunDir, default_run_dir
+
     out = out if out is not None else sys.stdout
-    if cfg.work_dir is not None:
-        work = Path(cfg.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(_run(cfg, out, progress, work))
-    with tempfile.TemporaryDirectory(prefix="gymbridge-smoke-") as tmp:
-        return asyncio.run(_run(cfg, out, progress, Path(tmp)))
+    path = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir(cfg.env)
+    print(f"run dir: {path}", file=out, flush=True)
+    run = RunDir(path)
+    if resume:
+        if not run.config_path.is_file():
+            raise ConfigError([f"--resume {path}: not a run directory (no config.yaml)"])
+    elif run.metrics() or (run.checkpoints_path / "latest.json").exists():
+        raise ConfigError(
+            [f"run_dir {path} already holds a run: continue it with --resume {path} or pick another run_dir"]
+        )
+    if cfg.checkpoint_every and cfg.dp_workers:
+        raise ConfigError(["checkpoint_every with dp_workers > 0: Ray DP runs cannot be checkpointed yet"])
+    run = RunDir.create(path)
+    cfg = cfg.model_copy(update={"run_dir": str(path)})
+    if not resume:
+        run.write_config(cfg.model_dump(mode="json"))
+    return asyncio.run(_run(cfg, out, progress, run, resume))
+
+
+def resume_config(run_dir: str | Path) -> SmokeConfig:
+    """The config of the run in ``run_dir`` (its ``config.yaml``), pointed at ``run_dir``."""
+    from gymbridge.trainer.rundir import RunDir
+
+    data = RunDir(Path(run_dir)).read_config()
+    data["run_dir"] = str(run_dir)
+    return load_config(data, SmokeConfig)
 
 
 # ------------------------------------------------------------------------ CLI
@@ -409,7 +560,20 @@ def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=None, help="rollouts per prompt (G)")
     parser.add_argument("--seed", type=int, default=None, help="dataset and sampling seed")
     parser.add_argument("--dp", dest="dp_workers", type=int, default=None, help="Ray DP workers (0: none)")
-    parser.add_argument("--work-dir", default=None, help="keep dataset / failures / checkpoints here")
+    parser.add_argument(
+        "--run-dir",
+        dest="run_dir",
+        default=None,
+        help="the run directory (default runs/<env>-<UTC timestamp>): config, metrics, failures, checkpoints",
+    )
+    parser.add_argument("--work-dir", dest="run_dir", default=None, help=argparse.SUPPRESS)  # old name
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        type=Path,
+        default=None,
+        help="continue the run in RUN_DIR from its latest checkpoint (with the config saved there)",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -434,11 +598,20 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
             "group_size",
             "seed",
             "dp_workers",
-            "work_dir",
+            "run_dir",
         )
     }
-    cfg = build_config(args.config, args.overrides, flags)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /run call drowns the steps
+    if args.resume is not None:
+        given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+        given += [f"--set {k}" for k, _ in args.overrides] + (["--config"] if args.config else [])
+        if given:
+            raise ConfigError(
+                [f"--resume continues the run as saved in {args.resume}/config.yaml; drop {', '.join(given)}"]
+            )
+        run_smoke(resume_config(args.resume), progress=not args.no_progress, resume=True)
+        return 0
+    cfg = build_config(args.config, args.overrides, flags)
     run_smoke(cfg, progress=not args.no_progress)
     return 0
 
