@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # errors
     "CheckEnvError": "gymbridge.errors",
+    "CheckpointError": "gymbridge.errors",
     "ConfigError": "gymbridge.errors",
     "EnvError": "gymbridge.errors",
     "EnvServerError": "gymbridge.errors",
@@ -63,6 +64,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "CheckEnvError",
+    "CheckpointError",
     "ConfigError",
     "ConversationHistory",
     "EnvError",
@@ -107,6 +109,7 @@ if TYPE_CHECKING:
     from gymbridge.config import load_config
     from gymbridge.errors import (
         CheckEnvError,
+        CheckpointError,
         ConfigError,
         EnvError,
         EnvServerError,

@@ -28,8 +28,11 @@ exceptions (``TypeError``, ``ValueError``).
     ├── BridgeError            the bridge cannot go on
     │   ├── BridgeStalledError too many consecutive failed groups, or none
     │   │                      completed (``failures``: the latest records)
-    │   └── ReplayCheckpointError  a replay checkpoint is missing, truncated
-    │                          or of another format version
+    │   └── ReplayCheckpointError  (also a CheckpointError, below)
+    ├── CheckpointError        a state file (``gymbridge.safe_io``) is missing,
+    │   │                      truncated, corrupt (sha256 mismatch) or of another
+    │   │                      format; ``path`` and ``reason`` say which and why
+    │   └── ReplayCheckpointError  a replay checkpoint cannot be used
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -43,6 +46,7 @@ __all__ = [
     "BridgeError",
     "BridgeStalledError",
     "CheckEnvError",
+    "CheckpointError",
     "ConfigError",
     "EnvError",
     "EnvServerError",
@@ -178,8 +182,21 @@ class BridgeStalledError(BridgeError):
         self.failures = list(failures or [])
 
 
-class ReplayCheckpointError(BridgeError):
-    """A replay checkpoint cannot be read (missing, truncated, or of another format version)."""
+class CheckpointError(GymbridgeError):
+    """A state file written by ``gymbridge.safe_io`` cannot be used.
+
+    ``path`` is the file, ``reason`` what is wrong with it (missing, truncated, sha256
+    mismatch, foreign format, malformed fields); the message names both.
+    """
+
+    def __init__(self, path: object, reason: str) -> None:
+        super().__init__(f"checkpoint {path}: {reason}")
+        self.path = str(path)
+        self.reason = reason
+
+
+class ReplayCheckpointError(CheckpointError, BridgeError):
+    """A replay checkpoint cannot be read (missing, truncated, corrupt, or of another format version)."""
 
 
 class ConfigError(GymbridgeError):

@@ -25,6 +25,8 @@ from gymbridge import errors as E
         (E.BridgeError, E.GymbridgeError),
         (E.BridgeStalledError, E.BridgeError),
         (E.ReplayCheckpointError, E.BridgeError),
+        (E.ReplayCheckpointError, E.CheckpointError),
+        (E.CheckpointError, E.GymbridgeError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:

@@ -11,9 +11,10 @@ Public API (stable): :class:`BridgeIterator` (sync and async iteration), :class:
 from __future__ import annotations
 
 from gymbridge.bridge.iterator import BridgeIterator, BridgeStalledError, BridgeStats, GroupResult, read_rows
-from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError, write_atomic
+from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError
 from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
 from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord, RolloutSource, indexed_rows
+from gymbridge.safe_io import write_atomic
 
 __all__ = [
     "BridgeIterator",

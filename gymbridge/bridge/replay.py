@@ -1,4 +1,4 @@
-"""A replay buffer of complete GRPO groups, with atomic checkpoints.
+"""A replay buffer of complete GRPO groups, with atomic checkpoints that cannot run code.
 
 The buffer stores **groups** (one :class:`~gymbridge.tensors.TrainBatch` per group, its
 ``group_ids`` all 0) in FIFO order up to ``capacity_groups``; :meth:`ReplayBuffer.sample`
@@ -9,30 +9,30 @@ Invariants:
 
 * media stay deduplicated: groups share segments with the batch they came from, a
   sampled batch is re-interned by provenance (``TrainBatch.cat``), and a checkpoint
-  stores every segment once (the groups are concatenated before pickling, so a segment
+  stores every segment once (the groups are concatenated before saving, so a segment
   referenced by several stored groups is written once);
-* :meth:`ReplayBuffer.save` is atomic: the checkpoint is written to a temporary file in
-  the same directory, flushed and fsynced, then ``os.replace`` d over the old one. A
-  crash mid-write leaves the previous checkpoint intact and loadable;
+* checkpoints are :func:`gymbridge.safe_io.save_state` files (safetensors + JSON + sha256,
+  never pickle): loading a crafted file cannot run code, and a truncated, bit-flipped or
+  edited file raises :class:`~gymbridge.errors.ReplayCheckpointError` (a
+  ``CheckpointError``) naming the file and the reason; row metadata must be JSON-able;
+* :meth:`ReplayBuffer.save` is atomic (:func:`~gymbridge.safe_io.write_atomic`): a crash
+  mid-write leaves the previous checkpoint intact and loadable, and temp files of a killed
+  save are removed at the next save or load;
 * payload metrics ``replay_push`` / ``replay_sample`` are recorded when a meter is given.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import pickle
 import random
-import tempfile
 from collections import deque
-from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gymbridge.errors import ReplayCheckpointError
+from gymbridge.errors import CheckpointError, ReplayCheckpointError
+from gymbridge.safe_io import load_state, save_state, write_atomic
 
 if TYPE_CHECKING:
     from gymbridge.metrics import PayloadMeter
@@ -42,38 +42,62 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_VERSION", "ReplayBuffer", "ReplayCheckpointError", "cat_groups", "write_atomic"]
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2
+"""Version 2: safe_io state files (version 1 was a pickle and is refused)."""
+
+_BATCH_TENSORS = (
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "logprobs",
+    "advantages",
+    "rewards",
+    "group_ids",
+    "sample_ids",
+    "segment_ids",
+    "sample_mask",
+)
 
 
-def write_atomic(path: str | Path, chunks: Iterable[bytes]) -> None:
-    """Write ``chunks`` to ``path`` atomically (temp file in the same directory + fsync + ``os.replace``).
+def batch_state(batch: TrainBatch, prefix: str = "batch") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(tensors, meta)`` of ``batch`` for :func:`~gymbridge.safe_io.save_state` (segments stored once)."""
+    tensors: dict[str, torch.Tensor] = {f"{prefix}.{name}": getattr(batch, name) for name in _BATCH_TENSORS}
+    media: list[dict[str, Any]] = []
+    for i, (key, packed) in enumerate(batch.media.items()):
+        tensors[f"{prefix}.media.{i}.offsets"] = packed.offsets
+        tensors[f"{prefix}.media.{i}.refs"] = packed.refs
+        for j, seg in enumerate(packed.segments):
+            tensors[f"{prefix}.media.{i}.seg.{j}"] = seg
+        media.append({"key": key, "pack_dim": packed.pack_dim, "provenance": list(packed.provenance)})
+    meta = {"media": media, "metadata": list(batch.metadata), "pad_token_id": batch.pad_token_id}
+    return tensors, meta
 
-    If anything fails before the rename (including the ``chunks`` iterable itself), the temp
-    file is removed and whatever was at ``path`` before is untouched.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                f.write(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+
+def batch_from_state(
+    tensors: dict[str, torch.Tensor], meta: dict[str, Any], prefix: str = "batch"
+) -> TrainBatch:
+    """The batch :func:`batch_state` described (its constructors re-check every invariant)."""
+    from gymbridge.tensors import PackedTensor, TrainBatch
+
+    media: dict[str, PackedTensor] = {}
+    for i, m in enumerate(meta["media"]):
+        segments = [tensors[f"{prefix}.media.{i}.seg.{j}"] for j in range(len(m["provenance"]))]
+        media[str(m["key"])] = PackedTensor(
+            segments,
+            [str(p) for p in m["provenance"]],
+            tensors[f"{prefix}.media.{i}.offsets"],
+            tensors[f"{prefix}.media.{i}.refs"],
+            pack_dim=int(m["pack_dim"]),
+        )
+    metadata = meta["metadata"]
+    if not isinstance(metadata, list) or not all(isinstance(r, dict) for r in metadata):
+        raise TypeError("metadata is not a list of objects")
+    return TrainBatch(
+        **{name: tensors[f"{prefix}.{name}"] for name in _BATCH_TENSORS},
+        media=media,
+        metadata=tuple(metadata),
+        pad_token_id=int(meta["pad_token_id"]),
+    )
 
 
 def _split_groups(batch: TrainBatch) -> list[TrainBatch]:
@@ -161,56 +185,70 @@ class ReplayBuffer:
         return out
 
     # ------------------------------------------------------------------ checkpoints
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint holds: every group concatenated once (segments deduplicated) + sizes."""
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a checkpoint holds, as ``(tensors, meta)``: every group concatenated once
+        (segments deduplicated), group sizes, the sampling RNG state and counters."""
         groups = list(self._groups)
-        return {
+        tensors: dict[str, torch.Tensor] = {}
+        meta: dict[str, Any] = {
             "version": CHECKPOINT_VERSION,
             "capacity_groups": self.capacity_groups,
             "group_sizes": [len(g) for g in groups],
-            "batch": cat_groups(groups) if groups else None,
-            "rng_state": self._rng.getstate(),
+            "rng_state": _rng_state_json(self._rng.getstate()),
             "pushed_groups": self.pushed_groups,
             "evicted_groups": self.evicted_groups,
+            "batch": None,
         }
+        if groups:
+            tensors, meta["batch"] = batch_state(cat_groups(groups))
+        return tensors, meta
 
     def save(self, path: str | Path) -> int:
         """Write a checkpoint atomically; returns its size in bytes."""
-        data = pickle.dumps(self.state(), protocol=5)
-        write_atomic(path, [data])
-        logger.info("replay checkpoint: %d group(s), %d bytes -> %s", len(self._groups), len(data), path)
-        return len(data)
+        tensors, meta = self.state()
+        size = save_state(path, tensors, meta)
+        logger.info("replay checkpoint: %d group(s), %d bytes -> %s", len(self._groups), size, path)
+        return size
 
     @classmethod
     def load(cls, path: str | Path, *, meter: PayloadMeter | None = None) -> ReplayBuffer:
         """Read a checkpoint written by :meth:`save`; raises :class:`ReplayCheckpointError` if unusable."""
         try:
-            raw = Path(path).read_bytes()
-        except OSError as exc:
-            raise ReplayCheckpointError(f"cannot read replay checkpoint {path}: {exc}") from exc
-        try:
-            state = pickle.loads(raw)
-        except Exception as exc:  # a truncated or foreign file: unpickling can raise anything
+            tensors, meta = load_state(path)
+        except CheckpointError as exc:
+            raise ReplayCheckpointError(path, exc.reason) from exc
+        if meta.get("version") != CHECKPOINT_VERSION:
             raise ReplayCheckpointError(
-                f"replay checkpoint {path} is corrupt: {type(exc).__name__}: {exc}"
-            ) from exc
-        if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
-            found = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ReplayCheckpointError(
-                f"replay checkpoint {path} has format version {found!r}, expected {CHECKPOINT_VERSION}"
+                path, f"format version {meta.get('version')!r}, expected {CHECKPOINT_VERSION}"
             )
         try:
-            buf = cls(int(state["capacity_groups"]), meter=meter)
-            buf._rng.setstate(state["rng_state"])
-            batch = state["batch"]
-            start = 0
-            for size in state["group_sizes"]:
-                buf._groups.append(_split_groups(batch.select(slice(start, start + size)))[0])
-                start += size
-            buf.pushed_groups = int(state["pushed_groups"])
-            buf.evicted_groups = int(state["evicted_groups"])
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            buf = cls(int(meta["capacity_groups"]), meter=meter)
+            buf._rng.setstate(_rng_state_from_json(meta["rng_state"]))
+            sizes = [int(n) for n in meta["group_sizes"]]
+            if sizes:
+                batch = batch_from_state(tensors, meta["batch"])
+                if sum(sizes) != len(batch) or min(sizes) < 1:
+                    raise ValueError(f"group sizes {sizes} do not cover the {len(batch)} stored rows")
+                start = 0
+                for size in sizes:
+                    buf._groups.append(_split_groups(batch.select(slice(start, start + size)))[0])
+                    start += size
+            buf.pushed_groups = int(meta["pushed_groups"])
+            buf.evicted_groups = int(meta["evicted_groups"])
+        except Exception as exc:  # checksummed but inconsistent (a hand-made file): never a bare error
             raise ReplayCheckpointError(
-                f"replay checkpoint {path} has missing or malformed fields: {type(exc).__name__}: {exc}"
+                path, f"missing or malformed fields: {type(exc).__name__}: {exc}"
             ) from exc
         return buf
+
+
+def _rng_state_json(state: tuple[Any, ...]) -> list[Any]:
+    version, internal, gauss = state
+    return [version, list(internal), gauss]
+
+
+def _rng_state_from_json(value: Any) -> tuple[Any, ...]:
+    version, internal, gauss = value
+    if not all(isinstance(x, int) for x in internal):
+        raise TypeError("rng_state holds non-integers")
+    return (int(version), tuple(internal), None if gauss is None else float(gauss))

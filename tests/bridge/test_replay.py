@@ -1,7 +1,8 @@
-"""ReplayBuffer: whole groups in and out, media deduplicated through pickling, atomic checkpoints."""
+"""ReplayBuffer: whole groups in and out, media stored once, atomic and safe (safe_io) checkpoints."""
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,10 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 from bridge_helpers import FakeAgent, make_rows
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gymbridge.bridge import BridgeIterator, GymRollouts, ReplayBuffer, ReplayCheckpointError, write_atomic
+from gymbridge.bridge.replay import CHECKPOINT_VERSION
 from gymbridge.client import GymClient
+from gymbridge.errors import CheckpointError
 from gymbridge.metrics import PayloadMeter
+from gymbridge.safe_io import encode_state, save_state
 from gymbridge.tensors import MediaProcessor, TrainBatch
 from gymbridge.testing.tiny_vlm import TinyVLM
 
@@ -67,7 +73,7 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_usable(batch: TrainBat
     before = path.read_bytes()
 
     def crashing_writer() -> Iterator[bytes]:
-        data = pickle.dumps(ReplayBuffer(10).state(), protocol=5)
+        data = encode_state(*ReplayBuffer(10).state())
         yield data[: len(data) // 2]
         raise KeyboardInterrupt("killed mid-write")
 
@@ -84,7 +90,7 @@ def test_a_truncated_checkpoint_is_a_clear_error(batch: TrainBatch, tmp_path: Pa
     buf.push(batch)
     buf.save(path)
     path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(ReplayCheckpointError, match="corrupt"):
+    with pytest.raises(ReplayCheckpointError, match=r"truncated|corrupt"):
         ReplayBuffer.load(path)
     with pytest.raises(ReplayCheckpointError, match="cannot read"):
         ReplayBuffer.load(tmp_path / "missing.ckpt")
@@ -109,8 +115,58 @@ def test_regression_sampling_keeps_rows_of_one_split_trajectory_together(batch: 
 
 
 def test_regression_a_checkpoint_missing_fields_is_a_clear_error(tmp_path: Path) -> None:
-    """A version-1 checkpoint without its fields crashed with a bare ``KeyError``."""
+    """A checkpoint without its fields crashed with a bare ``KeyError``."""
     path = tmp_path / "replay.ckpt"
-    path.write_bytes(pickle.dumps({"version": 1, "capacity_groups": 3}))
+    save_state(path, {}, {"version": CHECKPOINT_VERSION, "capacity_groups": 3})
     with pytest.raises(ReplayCheckpointError, match="missing or malformed"):
         ReplayBuffer.load(path)
+
+
+def test_regression_inconsistent_group_sizes_are_a_clear_error(batch: TrainBatch, tmp_path: Path) -> None:
+    buf = ReplayBuffer(4)
+    buf.push(batch)
+    tensors, meta = buf.state()
+    meta["group_sizes"] = [4, 4, 4, 4]  # more rows than stored
+    save_state(tmp_path / "r", tensors, meta)
+    with pytest.raises(ReplayCheckpointError, match="group sizes"):
+        ReplayBuffer.load(tmp_path / "r")
+
+
+def test_regression_loading_a_replay_checkpoint_cannot_run_code(tmp_path: Path) -> None:
+    """A replay checkpoint was a plain pickle: a crafted file ran ``os.system`` on load."""
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "replay.ckpt"
+    path.write_bytes(pickle.dumps({"version": 1, "batch": Exploit()}))
+    with pytest.raises(ReplayCheckpointError) as info:
+        ReplayBuffer.load(path)
+    assert not marker.exists()
+    assert isinstance(info.value, CheckpointError) and info.value.path == str(path)
+
+
+def test_regression_a_flipped_bit_in_a_replay_checkpoint_is_refused(
+    batch: TrainBatch, tmp_path: Path
+) -> None:
+    """300 of 300 random bit flips of a pickled replay checkpoint loaded silently changed data."""
+    buf = ReplayBuffer(4)
+    buf.push(batch)
+    path = tmp_path / "replay.ckpt"
+    buf.save(path)
+    good = path.read_bytes()
+    bad = tmp_path / "flipped.ckpt"
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(bit=st.integers(min_value=0, max_value=len(good) * 8 - 1))
+    def check(bit: int) -> None:
+        raw = bytearray(good)
+        raw[bit // 8] ^= 1 << (bit % 8)
+        bad.write_bytes(bytes(raw))
+        with pytest.raises(ReplayCheckpointError):
+            ReplayBuffer.load(bad)
+
+    check()
+    assert len(ReplayBuffer.load(path)) == 3
