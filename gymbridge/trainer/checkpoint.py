@@ -164,7 +164,7 @@ def save_checkpoint(
         if stem != name:
             old.unlink(missing_ok=True)
             (root / f"{stem}.replay").unlink(missing_ok=True)
-    logger.info("checkpoint of step %d -> %s", step, ckpt)
+    logger.debug("checkpoint of step %d -> %s", step, ckpt)
     return ckpt
 
 

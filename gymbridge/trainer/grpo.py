@@ -10,6 +10,20 @@ averaged over every loss-masked token of the batch (token-level mean; the batch'
 (reference-free GRPO); top-p is not re-applied (the ratio uses the temperature-scaled
 distribution).
 
+**Off-policy correction.** The old logprob is the *generator's* (the behaviour policy ``mu``
+that sampled the tokens), so ``ratio = pi_theta / mu`` is an importance weight: the clipped
+surrogate is PPO's (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
+arXiv:1707.06347) as GRPO uses it (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300). With
+``rollout.max_staleness > 0`` the behaviour policy is up to ``k`` versions old; for a negative
+advantage the surrogate's ``ratio * A`` term is unbounded in the ratio, so
+``GRPOConfig.is_cap = C`` truncates that importance weight at ``C``: the unclipped term becomes
+``min(ratio, C) * A`` with gradient ``min(ratio, C) * A * grad log pi_theta``, the truncated
+importance weight ``rho_bar`` of V-trace (Espeholt et al. 2018, "IMPALA", arXiv:1802.01561,
+section 4.1), the same ``min(ratio, C)`` truncation the TIS correction for rollout/trainer
+mismatch uses (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
+RL Training"). ``C >= 1 + clip_eps_high``, so it never changes a token PPO's clip already
+bounds; ``StepMetrics.is_capped_fraction`` is the fraction of loss tokens it truncated.
+
 **Suppressed tokens.** The generator never samples media placeholder / vision boundary
 tokens (their logits are ``-inf``, see :mod:`gymbridge.generation.hf`), so the logprobs it
 reports are of that masked, renormalised distribution. :func:`token_logprobs` renormalises
@@ -45,6 +59,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from pydantic import model_validator
 
 from gymbridge.config import StrictModel
 from gymbridge.errors import TrajectoryError
@@ -83,6 +98,18 @@ class GRPOConfig(StrictModel):
     """Token ids the generator never samples (logits -inf): new logprobs renormalise without them.
     ``None``: the policy's media placeholder / vision boundary ids (what ``HFGenerator`` masks);
     ``[]``: no mask."""
+    is_cap: float | None = None
+    """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
+    surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
+
+    @model_validator(mode="after")
+    def _cap_above_clip(self) -> GRPOConfig:
+        if self.is_cap is not None and self.is_cap < 1.0 + self.clip_eps_high:
+            raise ValueError(
+                f"is_cap ({self.is_cap}) must be >= 1 + clip_eps_high ({1.0 + self.clip_eps_high}): "
+                "a lower cap would change tokens the ratio clip already bounds"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -101,6 +128,8 @@ class StepMetrics:
     approx_kl: float
     """Mean of ``old - new`` logprob over loss tokens (k1 estimator of KL(old || new))."""
     elapsed_s: float = 0.0
+    is_capped_fraction: float = 0.0
+    """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
 
     def as_dict(self) -> dict[str, float | int]:
         return asdict(self)
@@ -117,6 +146,8 @@ class GradientResult:
     clipped_tokens: int
     ratio_sum: float
     kl_sum: float
+    capped_tokens: int = 0
+    """Tokens whose importance weight ``is_cap`` truncated."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -218,27 +249,35 @@ def grpo_token_loss(
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
     total_loss_tokens: int | None = None,
+    is_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio PG loss over ``[B, L]`` token logprobs with row advantages ``[B]``.
 
     Returns ``(loss, stats)``: ``loss`` is the sum of per-token losses over ``loss_mask``
     divided by ``total_loss_tokens`` (default: this mask's token count), so parts of a batch
     sum to the batch's token mean. ``stats`` holds ``clipped`` (tokens whose ratio was
-    clipped in the active direction), ``ratio_sum`` and ``kl_sum`` over masked tokens.
+    clipped in the active direction), ``capped`` (tokens whose importance weight ``is_cap``
+    truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
+    ``ratio_sum`` and ``kl_sum`` over masked tokens.
     """
     mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
     tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
     log_ratio = (new_logprobs - old_logprobs.to(new_logprobs)) * mask
     ratio = torch.exp(log_ratio)
     adv = advantages.to(new_logprobs)[:, None]
-    unclipped = ratio * adv
+    weight = ratio
+    if is_cap is not None:  # value is_cap, gradient is_cap * grad log pi (a stop-gradient rescale)
+        weight = torch.where(ratio > is_cap, ratio * (is_cap / ratio.detach()), ratio)
+    unclipped = weight * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
     loss = (per_token * mask).sum() / max(tokens, 1)
     with torch.no_grad():
         was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
+        capped = ((ratio > is_cap) & (mask > 0)).sum() if is_cap is not None else 0
         stats = {
             "clipped": float(was_clipped),
+            "capped": float(capped),
             "ratio_sum": float((ratio * mask).sum()),
             "kl_sum": float((-log_ratio * mask).sum()),
         }
@@ -271,7 +310,7 @@ class GRPOTrainer:
             return result
         self.model.eval()
         loss_sum = ratio_sum = kl_sum = 0.0
-        clipped = 0
+        clipped = capped = 0
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
             if float(mb.loss_mask.sum()) == 0:
                 continue
@@ -286,6 +325,7 @@ class GRPOTrainer:
                 clip_eps_low=cfg.clip_eps_low,
                 clip_eps_high=cfg.clip_eps_high,
                 total_loss_tokens=total,
+                is_cap=cfg.is_cap,
             )
             part = torch.autograd.grad(loss, self.params, allow_unused=True)
             for acc, g in zip(grads, part, strict=True):
@@ -293,9 +333,10 @@ class GRPOTrainer:
                     acc.add_(g)
             loss_sum += float(loss.detach())
             clipped += int(stats["clipped"])
+            capped += int(stats["capped"])
             ratio_sum += stats["ratio_sum"]
             kl_sum += stats["kl_sum"]
-        return GradientResult(grads, loss_sum, result.loss_tokens, clipped, ratio_sum, kl_sum)
+        return GradientResult(grads, loss_sum, result.loss_tokens, clipped, ratio_sum, kl_sum, capped)
 
     def apply_gradients(self, grads: list[torch.Tensor]) -> float:
         """Set ``grads``, clip them to ``max_grad_norm`` (in place), step; returns the pre-clip norm."""
@@ -356,4 +397,5 @@ def summarize(
         mean_ratio=sum(p.ratio_sum for p in parts) / max(tokens, 1),
         approx_kl=sum(p.kl_sum for p in parts) / max(tokens, 1),
         elapsed_s=elapsed_s,
+        is_capped_fraction=sum(p.capped_tokens for p in parts) / max(tokens, 1),
     )

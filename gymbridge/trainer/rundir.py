@@ -17,7 +17,7 @@ Invariants:
   checkpoint and a torn last line, so each step number appears once in a resumed run;
 * ``failures.jsonl`` is rewound the same way: only the records of rows the checkpoint counts as
   done stay (a row in flight at the crash runs again and records its failures again);
-* every rewrite is atomic (:func:`gymbridge.bridge.replay.write_atomic`).
+* every rewrite is atomic (:func:`gymbridge.safe_io.write_atomic`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import yaml
 
-from gymbridge.bridge.replay import write_atomic
 from gymbridge.errors import ConfigError
+from gymbridge.safe_io import write_atomic
 
 if TYPE_CHECKING:
     from gymbridge.bridge import GroupResult

@@ -69,10 +69,10 @@ from typing import IO, TYPE_CHECKING, Any
 import orjson
 from pydantic import AliasChoices, Field
 
-from gymbridge.bridge.replay import write_atomic
 from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
+from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 
 if TYPE_CHECKING:
@@ -248,6 +248,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
+    from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config, tiny_policy
     from gymbridge.trainer.rundir import payload_delta, step_record
 
@@ -298,8 +299,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             file=out,
         )
     version = state.policy_version if state is not None else 0
-    if run_ahead:
-        _publish(policy, generator, version)  # a resumed run's weights (a fresh one: a no-op copy)
+    _publish(policy, generator, version)  # a resumed run's weights and version
 
     async with contextlib.AsyncExitStack() as stack:
         env = await start_server(spec.make_server())
@@ -385,22 +385,15 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         result.resumed_from_step = first - 1
         bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
         stack.callback(bar.close)
+        publish = functools.partial(_publish, policy, generator)
         for step in range(first, cfg.steps + 1):
-            step_started = time.perf_counter()
             before_ok, before_failed = bridge.stats.rollouts_ok, bridge.stats.rollouts_failed
             payload_before = meter.report()
-            bridge.policy_version = version
-            try:
-                batch = await bridge.__anext__()
-            except StopAsyncIteration:
+            done = await train_step(bridge, step_trainer.step, policy_version=version, publish=publish)
+            if done is None:
                 print(f"the dataset ran out after {step - 1} step(s)", file=out)
                 break
-            metrics: StepMetrics = await asyncio.to_thread(step_trainer.step, batch)
-            sync_s = 0.0
-            if metrics.num_loss_tokens > 0:  # an optimizer step: a new policy version
-                version += 1
-                if run_ahead:
-                    sync_s = await asyncio.to_thread(_publish, policy, generator, version)
+            metrics, version = done.metrics, done.policy_version
             result.steps.append(metrics)
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
@@ -415,8 +408,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 policy_version=version,
                 rollouts_ok=ok,
                 rollouts_failed=failed,
-                weight_sync_s=sync_s,
-                step_s=time.perf_counter() - step_started,
+                weight_sync_s=done.weight_sync_s,
+                step_s=done.step_s,
                 payload=payload_delta(payload_before, meter.report()),
                 env_reward_mean=env_mean,
                 shaping_reward_mean=bonus_mean,
@@ -475,13 +468,17 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
 
 
 def _publish(policy: Any, generator: Any, version: int) -> float:
-    """Copy the trainer's weights into the generator's own model (under its lock); seconds spent."""
+    """Give the generator the trainer's weights as ``version`` (under its lock); seconds spent.
+
+    A generator sampling from the trainer's own model object (on-policy) only takes the version.
+    """
     import torch
 
     started = time.perf_counter()
     with generator._lock, torch.no_grad():
-        for dst, src in zip(generator.model.parameters(), policy.parameters(), strict=True):
-            dst.copy_(src)
+        if generator.model is not policy:
+            for dst, src in zip(generator.model.parameters(), policy.parameters(), strict=True):
+                dst.copy_(src)
         generator.policy_version = version
     return time.perf_counter() - started
 
