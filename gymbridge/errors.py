@@ -33,6 +33,11 @@ exceptions (``TypeError``, ``ValueError``).
     │   │                      truncated, corrupt (sha256 mismatch) or of another
     │   │                      format; ``path`` and ``reason`` say which and why
     │   └── ReplayCheckpointError  a replay checkpoint cannot be used
+    ├── TrainingError          the training loop cannot go on
+    │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
+    │                          the trainer's (``ratio_mean``, ``tolerance``)
+    │   └── WeightSyncError    publishing weights to a generator failed
+    │                          (a name / shape mismatch, a dead group, a refused route)
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -57,9 +62,12 @@ __all__ = [
     "MediaError",
     "MediaFetchError",
     "MediaPolicyError",
+    "PolicyDriftError",
     "ProtocolError",
     "ReplayCheckpointError",
+    "TrainingError",
     "TrajectoryError",
+    "WeightSyncError",
 ]
 
 
@@ -197,6 +205,35 @@ class CheckpointError(GymbridgeError):
 
 class ReplayCheckpointError(CheckpointError, BridgeError):
     """A replay checkpoint cannot be read (missing, truncated, corrupt, or of another format version)."""
+
+
+class TrainingError(GymbridgeError):
+    """The training loop cannot go on."""
+
+
+class PolicyDriftError(TrainingError):
+    """An on-policy step whose importance ratio is not 1: the generator's weights are not the trainer's.
+
+    ``ratio_mean`` is the mean ratio over the first micro-batch before any update, ``tolerance``
+    the allowed ``|ratio_mean - 1|``, ``step`` the trainer step that failed.
+    """
+
+    def __init__(self, *, ratio_mean: float, ratio_max_abs_log: float, tolerance: float, step: int) -> None:
+        self.ratio_mean = ratio_mean
+        self.ratio_max_abs_log = ratio_max_abs_log
+        self.tolerance = tolerance
+        self.step = step
+        super().__init__(
+            f"step {step}: the mean importance ratio over the first micro-batch is {ratio_mean:.6f} "
+            f"(max |log ratio| {ratio_max_abs_log:.4g}) before any update, outside 1 +- {tolerance:g}, "
+            "in an on-policy run (rollout.max_staleness 0): the generator's weights are not the "
+            "trainer's (weights not published to the generator, a generator in another process that "
+            "never joined the weight sync, or a different model / seed / dtype / sampling temperature)"
+        )
+
+
+class WeightSyncError(TrainingError):
+    """Publishing weights to a generator failed (mismatched layout, a refused route, a dead group)."""
 
 
 class ConfigError(GymbridgeError):

@@ -27,11 +27,21 @@ from gymbridge import errors as E
         (E.ReplayCheckpointError, E.BridgeError),
         (E.ReplayCheckpointError, E.CheckpointError),
         (E.CheckpointError, E.GymbridgeError),
+        (E.TrainingError, E.GymbridgeError),
+        (E.PolicyDriftError, E.TrainingError),
+        (E.WeightSyncError, E.TrainingError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:
     assert issubclass(cls, parent)
     assert cls.__name__ in (E.__doc__ or "")
+
+
+def test_policy_drift_error_says_the_weights_are_not_the_trainers() -> None:
+    err = E.PolicyDriftError(ratio_mean=1.023, ratio_max_abs_log=0.4, tolerance=1e-2, step=3)
+    assert (err.ratio_mean, err.tolerance, err.step) == (1.023, 1e-2, 3)
+    assert "the generator's weights are not the trainer's" in str(err)
+    assert "1.023" in str(err)
 
 
 def test_trajectory_error_names_item() -> None:

@@ -129,6 +129,15 @@ class PromptSeededGenerator:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.generator, name)
 
+    @property
+    def policy_version(self) -> int:
+        """The wrapped generator's policy version."""
+        return self.generator.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.generator.policy_version = version
+
     def _seed_for(self, prompt: Sequence[int]) -> int:
         digest = hashlib.sha256(b",".join(str(t).encode() for t in prompt)).digest()
         k = self._seen.get(digest, 0)

@@ -10,7 +10,8 @@ Invariants: every request gets exactly its own result or its own exception (a
 failing batch is retried row by row, so one bad row cannot fail its neighbours);
 results keep request order within a group; a failing group does not affect other
 groups; ``codec``, ``max_model_len`` and ``model_name`` of the wrapped generator are
-exposed, so a wrapped generator serves wherever the bare one does; the worker task
+exposed and ``policy_version`` is the wrapped generator's (read and written through), so
+a wrapped generator serves wherever the bare one does; the worker task
 starts lazily on the running loop and stops with :meth:`aclose`, which cancels every
 request still waiting (queued or in flight), so no caller awaits a future nobody resolves.
 
@@ -70,6 +71,15 @@ class BatchingGenerator:
         for attr in ("codec", "max_model_len", "model_name"):
             if hasattr(inner, attr):
                 setattr(self, attr, getattr(inner, attr))
+
+    @property
+    def policy_version(self) -> int:
+        """The wrapped generator's policy version (never a stale copy)."""
+        return self.inner.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.inner.policy_version = version
 
     def _ensure_worker(self) -> asyncio.Queue[_Pending]:
         loop = asyncio.get_running_loop()

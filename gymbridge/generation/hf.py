@@ -36,7 +36,10 @@ Invariants:
   measurable; for the random tiny model they hold ~1 % of the mass (max abs logprob
   difference vs the unmasked distribution ~1e-2), which is why the trainer applies the
   same mask by default (``GRPOConfig.suppress_token_ids``, :func:`~gymbridge.trainer.token_logprobs`)
-  and keeps teacher-forced ratios exact.
+  and keeps teacher-forced ratios exact;
+* ``policy_version`` is read under the same lock the forward runs under, and a weight
+  publisher replaces the weights under that lock (:attr:`HFGenerator.weights_lock`), so a
+  generation's version is exactly the version of the weights that produced it.
 """
 
 from __future__ import annotations
@@ -119,6 +122,8 @@ class HFGenerator:
         self._wants_mm_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
+        self.policy_version: int = 0
+        """Version of the weights now in :attr:`model` (0: the initial weights)."""
         # seeds of unseeded calls (the global torch RNG is forked per call, so cannot serve)
         self._entropy = random.SystemRandom()
 
@@ -203,6 +208,11 @@ class HFGenerator:
                 for i, gen in zip(chunk, gens, strict=True):
                     out[i] = gen
         return [g for g in out if g is not None]
+
+    @property
+    def weights_lock(self) -> threading.Lock:
+        """Held while a forward pass runs: whoever replaces the weights takes it first."""
+        return self._lock
 
     def _chunk_seed(self, seed: int | None, chunk_index: int) -> int:
         """The RNG seed of one forward chunk of a ``generate`` call.
@@ -330,6 +340,7 @@ class HFGenerator:
             mask[r, longest - n :] = 1
         config = self._generation_config(sampling)
         stops = set(config.eos_token_id)
+        version = self.policy_version
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
             torch.manual_seed(seed)
             out = self.model.generate(**self.model_inputs(ids, mask, media), generation_config=config)
@@ -351,7 +362,9 @@ class HFGenerator:
             end = next((t + 1 for t, tok in enumerate(row_tokens) if tok in stops), None)
             finish: FinishReason = "length" if end is None else "stop"
             n = steps if end is None else end
-            results.append(Generation(row_tokens[:n], row_logps[:n], finish, list(inp.prompt_token_ids)))
+            results.append(
+                Generation(row_tokens[:n], row_logps[:n], finish, list(inp.prompt_token_ids), version)
+            )
         logger.debug("generated %d rows, %d steps", len(inputs), steps)
         return results
 
@@ -396,13 +409,13 @@ class HFGenerator:
         out: list[Generation] = []
         stops = set(self.codec.stop_token_ids) | set(sampling.stop_token_ids)
         for inp, cont in zip(inputs, continuations, strict=True):
-            lps = await asyncio.to_thread(self._score_locked, inp, cont, sampling)
+            lps, version = await asyncio.to_thread(self._score_locked, inp, cont, sampling)
             finish: FinishReason = "stop" if cont and cont[-1] in stops else "length"
-            out.append(Generation(list(cont), lps, finish, list(inp.prompt_token_ids)))
+            out.append(Generation(list(cont), lps, finish, list(inp.prompt_token_ids), version))
         return out
 
     def _score_locked(
         self, inp: GenerationInput, cont: Sequence[int], sampling: SamplingConfig
-    ) -> list[float]:
+    ) -> tuple[list[float], int]:
         with self._lock:
-            return self.score_sync(inp, cont, sampling)
+            return self.score_sync(inp, cont, sampling), self.policy_version

@@ -8,7 +8,9 @@ same way. Invariants:
   parses to nothing still yields one (empty) assistant message, so the token fields
   always have an item to sit on;
 * the token fields (``prompt_token_ids``, ``generation_token_ids``,
-  ``generation_log_probs``) go on the **last** item of the call, and only there;
+  ``generation_log_probs``, plus ``policy_version`` when the generation has one) go on
+  the **last** item of the call, and only there (genuine servers omit
+  ``policy_version``; the protocol models pass it through as an extra key);
 * a rendered prompt becomes a :class:`GenerationInput` only through the trajectory
   layer's ``build_generation_input`` (the refresh rule's one builder).
 """
@@ -36,11 +38,14 @@ __all__ = [
 
 
 def token_fields(prompt_token_ids: Sequence[int], gen: Generation) -> dict[str, Any]:
-    return {
+    fields: dict[str, Any] = {
         "prompt_token_ids": list(prompt_token_ids),
         "generation_token_ids": list(gen.token_ids),
         "generation_log_probs": list(gen.logprobs),
     }
+    if gen.policy_version is not None:
+        fields["policy_version"] = gen.policy_version
+    return fields
 
 
 def response_items(

@@ -25,6 +25,8 @@ __all__ = ["ScoringGenerator", "ScriptedGenerator"]
 
 
 class ScoringGenerator(Protocol):
+    policy_version: int
+
     async def generate(
         self, inputs: Sequence[GenerationInput], sampling: SamplingConfig
     ) -> list[Generation]: ...
@@ -48,6 +50,15 @@ class ScriptedGenerator:
         for attr in ("codec", "max_model_len", "model_name"):
             if hasattr(inner, attr):
                 setattr(self, attr, getattr(inner, attr))
+
+    @property
+    def policy_version(self) -> int:
+        """The wrapped generator's policy version (forced calls are stamped by it too)."""
+        return self.inner.policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self.inner.policy_version = version
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         out: list[Generation] = []

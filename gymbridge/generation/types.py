@@ -14,7 +14,11 @@ Invariants of a :class:`Generation`:
 * ``finish_reason == "stop"`` exactly when the last token is a stop token (it is kept
   in ``token_ids``, as vLLM does, so the next turn's prompt can extend it verbatim);
   otherwise ``"length"``;
-* ``prompt_token_ids`` echoes the input's tokens, untouched.
+* ``prompt_token_ids`` echoes the input's tokens, untouched;
+* ``policy_version`` is the generator's ``policy_version`` when the call started (the
+  trainer's version of the weights that produced it; ``None`` when unknown). Every
+  generator exposes an int ``policy_version`` (0 at start, the initial weights) that a
+  weight publisher advances after each optimizer step.
 """
 
 from __future__ import annotations
@@ -84,8 +88,12 @@ class Generation:
     logprobs: list[float]
     finish_reason: FinishReason
     prompt_token_ids: list[int] = field(default_factory=list)
+    policy_version: int | None = None
+    """The policy version of the weights that produced this generation (``None``: unknown)."""
 
     def __post_init__(self) -> None:
+        if self.policy_version is not None and self.policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {self.policy_version}")
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"{len(self.token_ids)} generated tokens but {len(self.logprobs)} logprobs: they must agree"
@@ -94,7 +102,13 @@ class Generation:
 
 @runtime_checkable
 class Generator(Protocol):
-    """Token in, token out. Every backend (HF, vLLM, scripted test doubles) implements this."""
+    """Token in, token out. Every backend (HF, vLLM, scripted test doubles) implements this.
+
+    ``policy_version`` is the version of the weights the generator now holds (0 at start);
+    it stamps every :class:`Generation` it produces.
+    """
+
+    policy_version: int
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         """Generate one :class:`Generation` per input, in order."""

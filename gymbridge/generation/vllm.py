@@ -93,7 +93,7 @@ class WeightSyncWorkerExtension:
         return len(named_tensors)
 
 
-def generation_from_output(output: Any) -> Generation:
+def generation_from_output(output: Any, policy_version: int | None = None) -> Generation:
     """A vLLM ``RequestOutput`` (one completion, ``logprobs=0``) -> :class:`Generation`."""
     if not output.outputs:
         raise VLLMGenerationError(f"request {output.request_id}: vLLM returned no completion")
@@ -114,7 +114,9 @@ def generation_from_output(output: Any) -> Generation:
     if reason not in ("stop", "length"):
         raise VLLMGenerationError(f"request {output.request_id}: finished with {reason!r}")
     finish: FinishReason = "stop" if reason == "stop" else "length"
-    return Generation(token_ids, logprobs, finish, [int(t) for t in output.prompt_token_ids or []])
+    return Generation(
+        token_ids, logprobs, finish, [int(t) for t in output.prompt_token_ids or []], policy_version
+    )
 
 
 class VLLMGenerator:
@@ -162,6 +164,8 @@ class VLLMGenerator:
             max_model_len or getattr(getattr(engine, "model_config", None), "max_model_len", 0) or 32768
         )
         self._ids = itertools.count()
+        self.policy_version: int = 0
+        """Version of the weights the engine now holds (0: the initial weights)."""
         hf_config = getattr(getattr(engine, "model_config", None), "hf_config", None)
         found = media_special_token_ids(hf_config) if hf_config is not None else ()
         self.suppressed_token_ids: tuple[int, ...] = tuple(sorted(set(found) | set(suppress_token_ids or ())))
@@ -203,12 +207,15 @@ class VLLMGenerator:
     async def _one(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
         prompt, params = self.build_request(inp, sampling)
         request_id = f"gymbridge-{next(self._ids)}"
+        # the version at submission: updates are applied between engine steps, so a request
+        # never straddles one unless a publisher runs while it is in flight (then this is its oldest)
+        version = self.policy_version
         final: Any = None
         async for out in self.engine.generate(prompt, params, request_id):
             final = out
         if final is None or not getattr(final, "finished", True):
             raise VLLMGenerationError(f"request {request_id}: the engine stream ended without a final output")
-        return generation_from_output(final)
+        return generation_from_output(final, version)
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         # each row's max_tokens is fitted to its own room (checked for all rows before any request)

@@ -27,7 +27,10 @@ output item when there is one):
   (message, reasoning or function_call). No byte is fetched or decoded here: media
   are lazy ``MediaItem.from_ref`` references (policy-checked, not loaded);
 * flags and tool names are gathered from every assistant item of the model call
-  that produced the turn (the token fields sit on the call's *last* item only).
+  that produced the turn (the token fields sit on the call's *last* item only);
+* a turn's ``policy_version`` is its item's ``policy_version`` field (gymbridge's model
+  server and native loop put it next to the token fields; genuine servers omit it, so
+  ``None``); a present value must be a non-negative int.
 
 Genuine 0.7.0 shapes handled here: a transitions-form ``output`` (one item list per agent
 step, ``return_transitions`` agents) is walked as one conversation, each step's new items
@@ -304,6 +307,7 @@ class _Walk:
                 tool_names=self.tool_names,
                 invalid_tool_call=self.invalid_tool_call,
                 malformed_thinking=self.malformed_thinking,
+                policy_version=_policy_version(item, index),
             )
         )
         self.pending_media = []
@@ -311,6 +315,16 @@ class _Walk:
         self.tool_names = []
         self.invalid_tool_call = False
         self.malformed_thinking = False
+
+
+def _policy_version(item: Mapping[str, Any], index: int) -> int | None:
+    """The item's ``policy_version`` (a non-negative int) or ``None`` when absent."""
+    value = item.get("policy_version")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TrajectoryError(f"policy_version must be a non-negative int, got {value!r}", item_index=index)
+    return value
 
 
 def _tool_name(item: Mapping[str, Any]) -> str | None:

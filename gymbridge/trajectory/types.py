@@ -19,7 +19,10 @@ Invariants (checked where a ``Trajectory`` is built, see ``from_gym_result``):
   turn owns the initial media), in order of appearance; the first turn of a later
   segment owns every media item of the conversation so far, because its prompt is
   the whole conversation re-rendered (placeholders for all of them);
-* ``reward`` is finite; ``reward_components``, when non-empty, sum to ``reward``.
+* ``reward`` is finite; ``reward_components``, when non-empty, sum to ``reward``;
+* ``turn.policy_version`` is the policy version that produced the turn (the item's
+  ``policy_version`` field; ``None`` when the server did not say). A multi-turn episode
+  can straddle a weight update, so its turns may carry different versions.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ class Turn:
     """Tool-call markup was left in plain text instead of becoming a function_call."""
     malformed_thinking: bool = False
     """Think tags leaked into an answer message."""
+    policy_version: int | None = None
+    """The policy version that generated this turn (``None``: the server did not report one)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +80,17 @@ class Trajectory:
     failure_class: str | None = None
     failure_reason: str | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def policy_versions(self) -> list[int]:
+        """The turns' known policy versions, in turn order (turns without one are left out)."""
+        return [t.policy_version for t in self.turns if t.policy_version is not None]
+
+    @property
+    def oldest_policy_version(self) -> int | None:
+        """The oldest policy version among the turns; ``None`` when no turn reports one."""
+        versions = self.policy_versions
+        return min(versions) if versions else None
 
     @property
     def num_segments(self) -> int:

@@ -188,7 +188,7 @@ async def test_generate_converts_the_final_output(fake_vllm: Any) -> None:
     gens = await make_gen(engine).generate(
         [GenerationInput(prompt_token_ids=[1, 2, 3])], SamplingConfig(max_tokens=500)
     )
-    assert gens == [Generation([7, 8, 2], [-0.1, -0.2, -0.3], "stop", [1, 2, 3])]
+    assert gens == [Generation([7, 8, 2], [-0.1, -0.2, -0.3], "stop", [1, 2, 3], policy_version=0)]
     assert engine.requests[0][1].max_tokens == 125  # lowered to fit the 128-token context
 
 
