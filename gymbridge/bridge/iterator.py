@@ -156,8 +156,7 @@ def _rollout_of(traj: Trajectory) -> int:
 
 def _oldest_version(traj: Trajectory) -> int | None:
     """The oldest policy version among ``traj``'s turns (``None``: the generator stamps none)."""
-    version: int | None = getattr(traj, "oldest_policy_version", None)
-    return version
+    return traj.oldest_policy_version
 
 
 class BridgeIterator:

@@ -475,7 +475,7 @@ def _publish(policy: Any, generator: Any, version: int) -> float:
     import torch
 
     started = time.perf_counter()
-    with generator._lock, torch.no_grad():
+    with generator.weights_lock, torch.no_grad():
         if generator.model is not policy:
             for dst, src in zip(generator.model.parameters(), policy.parameters(), strict=True):
                 dst.copy_(src)

@@ -73,7 +73,9 @@ class TwoTurnSource:
         result = {"response": {"id": "r", "output": items, "status": "completed"}, "reward": float(rollout)}
         return RolloutRecord(task, rollout, result=result)
 
-    async def rollouts(self, row: Mapping[str, Any], *, task_index: int, group_size: int) -> list[RolloutRecord]:
+    async def rollouts(
+        self, row: Mapping[str, Any], *, task_index: int, group_size: int
+    ) -> list[RolloutRecord]:
         return list(await asyncio.gather(*(self._one(task_index, i) for i in range(group_size))))
 
     async def aclose(self) -> None:
@@ -161,7 +163,9 @@ def test_on_policy_runs_nothing_ahead() -> None:
         await bridge.__anext__()
         after_first = bridge.in_flight
         await bridge.aclose()
-        ahead = BridgeIterator(rows, TwoTurnSource(clock, [0.0]), None, group_size=2, prompts_per_batch=2, max_staleness=1)
+        ahead = BridgeIterator(
+            rows, TwoTurnSource(clock, [0.0]), None, group_size=2, prompts_per_batch=2, max_staleness=1
+        )
         await ahead.__anext__()
         in_flight = ahead.in_flight
         await ahead.aclose()
@@ -179,7 +183,11 @@ def test_stale_group_is_recorded_not_trained(tmp_path: Any) -> None:
         clock = Clock()  # the generator never gets a new version
         rows = [{"responses_create_params": {"input": f"t{i}"}} for i in range(4)]
         bridge = BridgeIterator(
-            rows, TwoTurnSource(clock, [0.0]), None, group_size=2, max_staleness=1,
+            rows,
+            TwoTurnSource(clock, [0.0]),
+            None,
+            group_size=2,
+            max_staleness=1,
             failures_path=tmp_path / "failures.jsonl",
         )
         bridge.policy_version = 0

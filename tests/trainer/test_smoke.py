@@ -31,7 +31,7 @@ def _closed(port: int) -> bool:
 @pytest.mark.parametrize("native", [False, True], ids=["gym_path", "native_path"])
 def test_smoke_runs_end_to_end_and_stops_its_servers(native: bool, tmp_path: Path) -> None:
     out = io.StringIO()
-    cfg = SmokeConfig(**SMALL, native=native, work_dir=str(tmp_path))
+    cfg = SmokeConfig(**SMALL, native=native, run_dir=str(tmp_path))
     result = run_smoke(cfg, out=out)
     text = out.getvalue()
     assert len(result.steps) == 2 and result.rollouts_ok == 4 and result.rollouts_failed == 0
@@ -59,7 +59,7 @@ def test_an_error_or_ctrl_c_mid_run_still_stops_every_server(
     monkeypatch.setattr(grpo.GRPOTrainer, "step", explode)
     out = io.StringIO()
     with pytest.raises(error, match="blew up"):
-        run_smoke(SmokeConfig(**SMALL, work_dir=str(tmp_path)), out=out)
+        run_smoke(SmokeConfig(**SMALL, run_dir=str(tmp_path)), out=out)
     ports = _ports(out.getvalue())
     assert len(ports) == 3 and all(_closed(p) for p in ports)
 
@@ -78,7 +78,7 @@ def test_cli_overrides_and_bad_values(tmp_path: Path) -> None:
         "bogus" in p for p in err.value.problems
     )
     with pytest.raises(ConfigError, match="env_params"):
-        run_smoke(SmokeConfig(env_params={"img_size": 40}, work_dir=str(tmp_path)), out=io.StringIO())
+        run_smoke(SmokeConfig(env_params={"img_size": 40}, run_dir=str(tmp_path)), out=io.StringIO())
 
 
 def test_module_entry_point_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,7 +94,7 @@ def test_dp_without_ray_is_a_config_error_naming_the_extra(
     monkeypatch.setitem(sys.modules, "ray", None)
     out = io.StringIO()
     with pytest.raises(ConfigError, match=r"gymbridge\[ray\]"):
-        run_smoke(SmokeConfig(**SMALL, dp_workers=2, work_dir=str(tmp_path)), out=out)
+        run_smoke(SmokeConfig(**SMALL, dp_workers=2, run_dir=str(tmp_path)), out=out)
     assert all(_closed(p) for p in _ports(out.getvalue()))
 
 
@@ -111,7 +111,7 @@ def _summary(text: str) -> tuple[float, float]:
 
 def test_shaped_reward_rises_fast_variant(tmp_path: Path) -> None:
     """The default smoke config's toy shaping, shortened: the shaped reward clearly rises (seeded)."""
-    cfg = build_config(None, [("trainer.lr", 4e-2)], {**FAST_LEARN, "work_dir": str(tmp_path)})
+    cfg = build_config(None, [("trainer.lr", 4e-2)], {**FAST_LEARN, "run_dir": str(tmp_path)})
     out = io.StringIO()
     result = run_smoke(cfg, out=out)
     text = out.getvalue()
@@ -129,7 +129,7 @@ def test_shaped_reward_rises_fast_variant(tmp_path: Path) -> None:
 def test_default_smoke_config_shaped_reward_rises(tmp_path: Path) -> None:
     """``gymbridge smoke run`` as shipped (Gym path, 8 steps): the shaped reward rises first -> last."""
     out = io.StringIO()
-    result = run_smoke(build_config(None, [], {"work_dir": str(tmp_path)}), out=out)
+    result = run_smoke(build_config(None, [], {"run_dir": str(tmp_path)}), out=out)
     first, last = _summary(out.getvalue())
     assert len(result.steps) == 8
     assert last >= first + 0.1, out.getvalue()
@@ -141,9 +141,11 @@ def test_reruns_with_the_same_seed_match(tmp_path: Path) -> None:
     small = {**SMALL, "native": True, "group_size": 4, "payload_metrics": False}
     small["shaping"] = {"kind": "token_rate"}
 
+    runs = iter(range(100))
+
     def run(seed: int) -> list[tuple[float, float, float]]:
         res = run_smoke(
-            SmokeConfig(**small, seed=seed, work_dir=str(tmp_path / str(seed))), out=io.StringIO()
+            SmokeConfig(**small, seed=seed, run_dir=str(tmp_path / f"{seed}-{next(runs)}")), out=io.StringIO()
         )
         return [(m.loss, m.grad_norm, s) for m, s in zip(res.steps, res.shaping_rewards, strict=True)]
 

@@ -1,0 +1,116 @@
+"""``gymbridge smoke run`` and its run directory: config, metrics, failures, checkpoints, staleness."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from gymbridge.trainer import smoke
+from gymbridge.trainer.smoke import SmokeConfig
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["--native", "--prompts", "1", "--group-size", "2", "--set", "max_tokens=6", "--set", "max_turns=1"]
+METRIC_KEYS = {
+    "step",
+    "policy_version",
+    "env_reward_mean",
+    "loss",
+    "grad_norm",
+    "ratio_mean",
+    "ratio_max_abs_log",
+    "staleness_max",
+    "rollouts_ok",
+    "rollouts_failed",
+    "groups_dropped_stale",
+    "task_indices",
+    "media_keys",
+    "weight_sync_s",
+    "step_s",
+    "payload",
+}
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+
+
+def test_run_dir_holds_config_metrics_failures_and_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    argv = [*SMALL, "--steps", "3", "--set", "checkpoint_every=2", "--run-dir", str(run_dir), "--no-progress"]
+    assert smoke.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"run dir: {run_dir}"  # printed first
+    saved = SmokeConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    assert saved.steps == 3 and saved.native and saved.checkpoint_every == 2 and saved.run_dir == str(run_dir)
+    assert saved.shaping.kind == "token_rate"  # the resolved config: configs/smoke.yaml's values included
+    recs = records(run_dir)
+    assert [r["step"] for r in recs] == [1, 2, 3]
+    for r in recs:
+        assert r.keys() >= METRIC_KEYS, METRIC_KEYS - r.keys()
+        assert r["staleness_max"] == 0 and r["groups_dropped_stale"] == 0
+        assert len(r["media_keys"]) == 1 and len(r["media_keys"][0]) == 64  # one image per prompt, sha256
+        assert r["payload"]["rollout_to_policy"]["logical_media_bytes"] == (
+            2 * r["payload"]["rollout_to_policy"]["physical_media_bytes"]
+        )
+    assert sorted(t for r in recs for t in r["task_indices"]) == [0, 1, 2]
+    assert [r["policy_version"] for r in recs] == [1, 2, 3]
+    assert (run_dir / "failures.jsonl").read_bytes() == b""  # written, empty: nothing failed
+    latest = orjson.loads((run_dir / "checkpoints" / "latest.json").read_bytes())
+    assert latest["step"] == 2 and (run_dir / "checkpoints" / latest["state"]).is_file()
+    assert (run_dir / "dataset.jsonl").is_file()
+    # the same directory again is refused (it holds a run): --resume it instead
+    assert smoke.main([*argv]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_default_run_dir_is_under_runs_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert smoke.main([*SMALL, "--steps", "1", "--no-progress", "--set", "payload_metrics=false"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("run dir: runs/circle_click-")
+    run_dir = tmp_path / first.removeprefix("run dir: ")
+    assert sorted(os.listdir(run_dir)) == [
+        "checkpoints",
+        "config.yaml",
+        "dataset.jsonl",
+        "failures.jsonl",
+        "metrics.jsonl",
+    ]
+
+
+def test_max_staleness_1_trains_one_version_behind_never_more(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--set rollout.max_staleness=1``: staleness 1 on the steps after the first, never above."""
+    run_dir = tmp_path / "async"
+    argv = [*SMALL, "--steps", "4", "--set", "rollout.max_staleness=1", "--run-dir", str(run_dir)]
+    argv += ["--group-size", "6", "--set", "max_tokens=16", "--set", "trainer.lr=4e-2", "--no-progress"]
+    assert smoke.main(argv) == 0
+    out = capsys.readouterr().out
+    recs = records(run_dir)
+    staleness = [r["staleness_max"] for r in recs]
+    assert max(staleness) == 1 and staleness.count(1) >= 2, staleness
+    assert all(r["groups_dropped_stale"] == 0 for r in recs)
+    assert sorted(t for r in recs for t in r["task_indices"]) == [0, 1, 2, 3]
+    assert "staleness 1 (dropped 0)" in out
+    # a trajectory generated one version back, trained after an update: the ratio is no longer 1
+    moved = [r for r in recs if r["staleness_max"] == 1 and abs(r["ratio_mean"] - 1.0) > 1e-4]
+    assert moved, [(r["step"], r["ratio_mean"], r["grad_norm"]) for r in recs]
+    assert all(r["weight_sync_s"] > 0 for r in recs if r["grad_norm"] > 0)
+
+
+def test_resume_refuses_config_changes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert smoke.main(["--resume", str(tmp_path), "--steps", "9"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert smoke.main(["--resume", str(tmp_path / "nothing")]) == 2
+    assert "config.yaml" in capsys.readouterr().err
