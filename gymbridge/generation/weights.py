@@ -1,0 +1,452 @@
+"""Policy weights on the move: their layout, bounded buckets, and a private torch.distributed group.
+
+Both ends of a weight sync use this module: the trainer (:mod:`gymbridge.trainer.weight_sync`)
+sends, the model server (:class:`WeightReceiver`, behind its ``/weights/*`` routes) and vLLM
+workers (:class:`~gymbridge.generation.vllm.WeightSyncWorkerExtension`) receive.
+
+* **Layout.** A model's weights are its ``state_dict`` entries (parameters and persistent
+  buffers) with aliases removed: two names over one storage (tied embeddings) are sent once,
+  under the first name, and the receiver checks that every name it does not receive is an
+  alias of one it does. A :class:`TensorSpec` (name, shape, dtype) describes one entry; both
+  sides refuse a layout that does not match their own model with every mismatch listed.
+* **Buckets.** Entries are packed, in state-dict order, into flat buffers of one dtype of at
+  most ``bucket_bytes`` (default 64 MiB; an entry larger than that travels alone). One bucket
+  is materialised at a time on either side, so no process ever holds the weights twice: the
+  extra memory of a sync is one bucket.
+* **The group.** :func:`open_weight_group` builds a two-member (or larger) process group from
+  a ``TCPStore`` (:func:`weight_store`) directly (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA),
+  without ``init_process_group``: torch's default group stays free for the trainer's own
+  data parallelism, and the generator's process needs no global state either. Rank 0 (the
+  trainer) hosts the store on 127.0.0.1 (or the address given) and is the broadcast root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import torch
+
+from gymbridge.errors import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "TensorSpec",
+    "WeightGroup",
+    "WeightReceiver",
+    "WeightSink",
+    "WeightTarget",
+    "check_layout",
+    "dtype_from_name",
+    "loaded_key",
+    "named_weights",
+    "open_weight_group",
+    "plan_buckets",
+    "raise_on_problems",
+    "weight_store",
+]
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+"""64 MiB: large enough that per-collective latency is amortised, small enough to be an
+afterthought next to the model's own memory."""
+
+Backend = Literal["gloo", "nccl"]
+GROUP_NAME = "gymbridge-weights"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One weight entry: its state-dict name, shape and dtype name (``"float32"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TensorSpec:
+        if not isinstance(data, dict):
+            raise WeightSyncError(f"a tensor spec must be an object, got {type(data).__name__}")
+        name, shape, dtype = data.get("name"), data.get("shape"), data.get("dtype")
+        if not isinstance(name, str) or not isinstance(dtype, str):
+            raise WeightSyncError(f"a tensor spec needs string 'name' and 'dtype': {data!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise WeightSyncError(f"tensor {name!r}: 'shape' must be a list of non-negative ints")
+        dtype_from_name(dtype)
+        return cls(name, tuple(shape), dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Consecutive entries of one dtype, sent as one flat buffer of ``numel`` elements."""
+
+    dtype: str
+    specs: tuple[TensorSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "tensors": [s.to_json() for s in self.specs]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Bucket:
+        if not isinstance(data, dict) or not isinstance(data.get("tensors"), list):
+            raise WeightSyncError("a bucket must be an object with a 'tensors' list")
+        dtype = data.get("dtype")
+        specs = tuple(TensorSpec.from_json(t) for t in data["tensors"])
+        if not isinstance(dtype, str) or any(s.dtype != dtype for s in specs):
+            raise WeightSyncError(f"a bucket's tensors must all be of its dtype {dtype!r}")
+        return cls(dtype, specs)
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; anything that is not a torch dtype is refused."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise WeightSyncError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def named_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """The model's state-dict entries with aliases removed (first name wins), in state-dict order.
+
+    The tensors are the model's own (no copy): ``state_dict`` returns detached references.
+    """
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in model.state_dict().items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        out.append((name, tensor))
+    return out
+
+
+def plan_buckets(
+    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[Bucket]:
+    """Pack ``named`` into buckets: one dtype each, at most ``bucket_bytes`` unless one entry is larger.
+
+    Order is kept within a dtype; a bucket closes when the next entry would overflow it or
+    has another dtype.
+    """
+    if bucket_bytes < 1:
+        raise ValueError("bucket_bytes must be >= 1")
+    buckets: list[Bucket] = []
+    open_by_dtype: dict[str, tuple[list[TensorSpec], int]] = {}
+    for name, tensor in named:
+        spec = TensorSpec(name, tuple(tensor.shape), _dtype_name(tensor.dtype))
+        size = tensor.numel() * tensor.element_size()
+        specs, used = open_by_dtype.get(spec.dtype, ([], 0))
+        if specs and used + size > bucket_bytes:
+            buckets.append(Bucket(spec.dtype, tuple(specs)))
+            specs, used = [], 0
+        specs.append(spec)
+        open_by_dtype[spec.dtype] = (specs, used + size)
+    buckets.extend(Bucket(dtype, tuple(specs)) for dtype, (specs, _) in open_by_dtype.items() if specs)
+    return buckets
+
+
+def check_layout(specs: Sequence[TensorSpec], model: Any) -> list[str]:
+    """Every way ``specs`` (what a sender has) disagree with ``model`` (the receiver); ``[]`` if none.
+
+    Names unknown to ``model``, shape or dtype differences, and entries of ``model`` that no
+    spec updates (unless they alias an updated one) are all listed.
+    """
+    own = dict(model.state_dict())
+    problems: list[str] = []
+    sent: set[str] = set()
+    for spec in specs:
+        if spec.name in sent:
+            problems.append(f"{spec.name}: sent twice")
+            continue
+        sent.add(spec.name)
+        target = own.get(spec.name)
+        if target is None:
+            problems.append(f"{spec.name}: not a weight of the receiving model")
+            continue
+        if tuple(target.shape) != spec.shape:
+            problems.append(f"{spec.name}: shape {list(spec.shape)} sent, {list(target.shape)} here")
+        if _dtype_name(target.dtype) != spec.dtype:
+            problems.append(f"{spec.name}: dtype {spec.dtype} sent, {_dtype_name(target.dtype)} here")
+    updated = {own[n].data_ptr() for n in sent if n in own and own[n].numel()}
+    for name, tensor in own.items():
+        if name not in sent and tensor.numel() and tensor.data_ptr() not in updated:
+            problems.append(f"{name}: a weight of the receiving model that is never sent")
+    return problems
+
+
+# ----------------------------------------------------------------------------- the group
+
+
+class WeightGroup:
+    """A private process group for weight broadcasts (see the module docstring); rank 0 is the root."""
+
+    def __init__(self, store: Any, backend_group: Any, rank: int, world_size: int, backend: Backend) -> None:
+        self._store = store  # keeps the TCPStore (and, on rank 0, its server) alive
+        self._group = backend_group
+        self.rank = rank
+        self.world_size = world_size
+        self.backend: Backend = backend
+
+    def broadcast(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> None:
+        """Broadcast ``tensor`` in place from rank 0 to every member (blocking)."""
+        from torch.distributed import BroadcastOptions
+
+        opts = BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        if timeout_s is not None:
+            opts.timeout = timedelta(seconds=timeout_s)
+        try:
+            self._group.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:
+            raise WeightSyncError(f"weight broadcast failed on rank {self.rank}: {exc}") from exc
+
+    def close(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            abort = getattr(group, "abort", None) or getattr(group, "shutdown", None)
+            if callable(abort):
+                try:
+                    abort()
+                except RuntimeError:  # already torn down by the peer
+                    logger.debug("weight group abort failed", exc_info=True)
+        self._store = None
+
+
+def weight_store(host: str, port: int, *, world_size: int, is_host: bool, timeout_s: float = 120.0) -> Any:
+    """The ``TCPStore`` a weight group meets at: hosted by rank 0 (``port=0``: a free port, read
+    ``.port``), joined as a client by every other member (and by the model server's own process)."""
+    from torch._C._distributed_c10d import TCPStore
+
+    try:
+        return TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=is_host,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
+        raise WeightSyncError(
+            f"could not {'host' if is_host else 'reach'} the weight store at {host}:{port}: {exc}"
+        ) from exc
+
+
+def open_weight_group(
+    store: Any,
+    *,
+    rank: int,
+    world_size: int,
+    backend: Backend,
+    timeout_s: float = 120.0,
+    group_name: str = GROUP_NAME,
+) -> WeightGroup:
+    """Join the weight group meeting at ``store`` as ``rank``; blocks until every member joined.
+
+    ``timeout_s`` bounds the wait (and every later collective): :class:`WeightSyncError`.
+    """
+    from torch._C._distributed_c10d import PrefixStore
+
+    if world_size < 2 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size}: need 0 <= rank < world_size >= 2")
+    timeout = timedelta(seconds=timeout_s)
+    prefixed = PrefixStore(group_name, store)
+    try:
+        if backend == "nccl":
+            from torch._C._distributed_c10d import ProcessGroupNCCL
+
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            group: Any = ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            from torch._C._distributed_c10d import ProcessGroupGloo
+
+            group = ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    except (RuntimeError, ValueError, ImportError) as exc:
+        raise WeightSyncError(
+            f"could not join the weight group as rank {rank}/{world_size} ({backend}): {exc}"
+        ) from exc
+    return WeightGroup(store, group, rank, world_size, backend)
+
+
+def loaded_key(version: int) -> str:
+    """The store key a receiver sets (to ``ok`` or ``error: ...``) once ``version`` is loaded."""
+    return f"{GROUP_NAME}/loaded/{version}"
+
+
+def bucket_tensors(bucket: Bucket, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat ``[numel]`` buffer holding ``tensors`` (the bucket's entries) back to back."""
+    flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=device)
+    offset = 0
+    for spec, tensor in zip(bucket.specs, tensors, strict=True):
+        n = spec.numel
+        flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+        offset += n
+    return flat
+
+
+def unbucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[TensorSpec, torch.Tensor]]:
+    """The bucket's entries as views of ``flat``, in order."""
+    offset = 0
+    for spec in bucket.specs:
+        yield spec, flat[offset : offset + spec.numel].view(spec.shape)
+        offset += spec.numel
+
+
+# ----------------------------------------------------------------------------- the receiver
+
+
+def _model_device(model: Any) -> torch.device:
+    first = next(iter(model.parameters()), None)
+    return first.device if first is not None else torch.device("cpu")
+
+
+class WeightTarget(Protocol):
+    """A generator whose model a receiver can overwrite: ``HFGenerator`` is one."""
+
+    model: Any
+    policy_version: int
+
+    @property
+    def weights_lock(self) -> threading.Lock: ...
+
+
+class WeightSink(Protocol):
+    """What the model server's ``/weights/*`` routes drive: one per served generator.
+
+    ``ranks`` is how many group members the generator brings (1 for an in-memory model, one per
+    worker for vLLM). :meth:`check` refuses a layout before anything moves; :meth:`join` and
+    :meth:`receive` may block for as long as the trainer takes, so the server runs them as tasks.
+    """
+
+    ranks: int
+
+    @property
+    def policy_version(self) -> int: ...
+
+    def check(self, specs: Sequence[TensorSpec]) -> None: ...
+
+    async def join(
+        self, *, host: str, port: int, rank_offset: int, world_size: int, backend: Backend, timeout_s: float
+    ) -> None: ...
+
+    async def receive(self, version: int, buckets: Sequence[Bucket], *, timeout_s: float) -> float: ...
+
+    def mark_loaded(self, version: int, outcome: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class WeightReceiver:
+    """The generator side of a weight sync for an in-memory model (``HFGenerator``): a :class:`WeightSink`.
+
+    :meth:`join` joins the trainer's group; :meth:`receive` takes one version's buckets and
+    copies them into the model **under the generator's weights lock**, so no generation runs
+    on half-updated weights and a generation's ``policy_version`` is the version of the weights
+    it ran on (generation waits for the length of a sync).
+    """
+
+    ranks = 1
+
+    def __init__(self, target: WeightTarget) -> None:
+        self.target = target
+        self.group: WeightGroup | None = None
+        self._store: Any = None
+
+    @property
+    def policy_version(self) -> int:
+        return self.target.policy_version
+
+    def check(self, specs: Sequence[TensorSpec]) -> None:
+        raise_on_problems(check_layout(specs, self.target.model))
+
+    async def join(
+        self, *, host: str, port: int, rank_offset: int, world_size: int, backend: Backend, timeout_s: float
+    ) -> None:
+        await asyncio.to_thread(self._join, host, port, rank_offset, world_size, backend, timeout_s)
+
+    def _join(
+        self, host: str, port: int, rank: int, world_size: int, backend: Backend, timeout_s: float
+    ) -> None:
+        self.close()
+        device = _model_device(self.target.model)
+        if backend == "nccl" and device.type != "cuda":
+            raise WeightSyncError(f"an nccl weight group needs the model on a GPU; it is on {device}")
+        store = weight_store(host, port, world_size=world_size, is_host=False, timeout_s=timeout_s)
+        self.group = open_weight_group(
+            store, rank=rank, world_size=world_size, backend=backend, timeout_s=timeout_s
+        )
+        self._store = store
+
+    async def receive(self, version: int, buckets: Sequence[Bucket], *, timeout_s: float) -> float:
+        return await asyncio.to_thread(self.receive_sync, version, buckets, timeout_s)
+
+    def receive_sync(self, version: int, buckets: Sequence[Bucket], timeout_s: float | None = None) -> float:
+        """Receive ``buckets`` and load them as ``version``; returns the seconds it took."""
+        group = self.group
+        if group is None:
+            raise WeightSyncError("no weight group: POST /weights/init_group first")
+        started = time.perf_counter()
+        own = dict(self.target.model.state_dict())
+        device = _model_device(self.target.model)
+        with self.target.weights_lock, torch.no_grad():
+            for bucket in buckets:
+                flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=device)
+                group.broadcast(flat, timeout_s=timeout_s)
+                for spec, view in unbucket(bucket, flat):
+                    own[spec.name].copy_(view)
+                del flat
+            self.target.policy_version = version
+        elapsed = time.perf_counter() - started
+        logger.info("loaded policy version %d (%d buckets) in %.3fs", version, len(buckets), elapsed)
+        return elapsed
+
+    def mark_loaded(self, version: int, outcome: str) -> None:
+        """Tell the trainer (through the group's store) that ``version`` is loaded (``ok``) or not."""
+        if self._store is not None:
+            self._store.set(loaded_key(version), outcome)
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self._store = None
+
+
+def raise_on_problems(problems: Sequence[str]) -> None:
+    """:class:`WeightSyncError` listing the first layout problems, if there are any."""
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; ... ({len(problems)} in all)" if len(problems) > 8 else "")
+        raise WeightSyncError(f"the trainer's weights do not match this model: {shown}")
