@@ -251,6 +251,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config, tiny_policy
     from gymbridge.trainer.rundir import payload_delta, step_record
+    from gymbridge.trainer.weight_sync import InProcessPublisher
 
     started = time.perf_counter()
     result = SmokeResult(run_dir=str(run.path))
@@ -299,7 +300,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             file=out,
         )
     version = state.policy_version if state is not None else 0
-    _publish(policy, generator, version)  # a resumed run's weights and version
+    publisher = InProcessPublisher(generator)
+    publisher.publish(policy, version)  # a resumed run's weights and version
 
     async with contextlib.AsyncExitStack() as stack:
         env = await start_server(spec.make_server())
@@ -385,7 +387,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         result.resumed_from_step = first - 1
         bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
         stack.callback(bar.close)
-        publish = functools.partial(_publish, policy, generator)
+        publish = functools.partial(publisher.publish, policy)
         for step in range(first, cfg.steps + 1):
             before_ok, before_failed = bridge.stats.rollouts_ok, bridge.stats.rollouts_failed
             payload_before = meter.report()
@@ -465,22 +467,6 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         file=out,
     )
     return result
-
-
-def _publish(policy: Any, generator: Any, version: int) -> float:
-    """Give the generator the trainer's weights as ``version`` (under its lock); seconds spent.
-
-    A generator sampling from the trainer's own model object (on-policy) only takes the version.
-    """
-    import torch
-
-    started = time.perf_counter()
-    with generator.weights_lock, torch.no_grad():
-        if generator.model is not policy:
-            for dst, src in zip(generator.model.parameters(), policy.parameters(), strict=True):
-                dst.copy_(src)
-        generator.policy_version = version
-    return time.perf_counter() - started
 
 
 def run_smoke(

@@ -162,3 +162,30 @@ def test_regression_a_batch_without_loss_tokens_leaves_the_weights_alone(
     assert all(torch.equal(a, p) for a, p in zip(before, trainer.params, strict=True))
     assert metrics.num_loss_tokens == 0 and metrics.grad_norm == 0.0
     assert trainer.steps == 1  # the skipped update is not counted
+
+
+def test_is_cap_truncates_the_importance_weight_of_the_unclipped_term() -> None:
+    """``is_cap = C``: a ratio-5 token with a negative advantage weighs ``C``, not 5 (V-trace rho-bar)."""
+    import math
+
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+    adv = torch.tensor([-1.0])
+
+    def run(cap: float | None) -> list[float]:
+        new = torch.tensor([[math.log(5.0), 0.0]], requires_grad=True)
+        loss, stats = grpo_token_loss(new, old, adv, mask, is_cap=cap)
+        (grad,) = torch.autograd.grad(loss, new)
+        return [float(loss), *grad[0].tolist(), stats["capped"]]
+
+    assert run(None) == pytest.approx([3.0, 2.5, 0.5, 0.0])  # loss (5 + 1) / 2; gradient weight 5
+    assert run(2.0) == pytest.approx([1.5, 1.0, 0.5, 1.0])  # loss (2 + 1) / 2; gradient weight 2
+    assert run(10.0) == pytest.approx(run(None))  # a cap above every ratio changes nothing
+
+
+def test_is_cap_below_the_clip_range_is_a_config_error() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="is_cap"):
+        GRPOConfig(is_cap=1.1)
+    assert GRPOConfig(is_cap=1.2).is_cap == 1.2
