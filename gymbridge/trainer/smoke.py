@@ -139,7 +139,8 @@ class SmokeConfig(StrictModel):
     """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
     default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
     checkpoint_every: int = Field(0, ge=0)
-    """> 0: write a run checkpoint every N steps (``--resume`` continues from the latest)."""
+    """> 0: write a run checkpoint every N steps and after the last one (``--resume`` continues
+    from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
@@ -385,6 +386,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         stack.push_async_callback(bridge.aclose)
         first = state.step + 1 if state is not None else 1
         result.resumed_from_step = first - 1
+        if first > cfg.steps:
+            print(f"nothing left to run: all {cfg.steps} step(s) are done", file=out)
         bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
         stack.callback(bar.close)
         publish = functools.partial(publisher.publish, policy)
@@ -426,7 +429,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             if run_ahead:
                 line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
             print(line, file=out, flush=True)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 await asyncio.to_thread(
                     save_checkpoint,
                     run.checkpoints_path,

@@ -45,6 +45,7 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
 ) -> None:
     run_dir = tmp_path / "run"
     argv = [*SMALL, "--steps", "3", "--set", "checkpoint_every=2", "--run-dir", str(run_dir), "--no-progress"]
+    argv += ["--set", "replay_capacity_groups=2"]
     assert smoke.main(argv) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0] == f"run dir: {run_dir}"  # printed first
@@ -64,8 +65,19 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
     assert [r["policy_version"] for r in recs] == [1, 2, 3]
     assert (run_dir / "failures.jsonl").read_bytes() == b""  # written, empty: nothing failed
     latest = orjson.loads((run_dir / "checkpoints" / "latest.json").read_bytes())
-    assert latest["step"] == 2 and (run_dir / "checkpoints" / latest["state"]).is_file()
+    assert latest["step"] == 3  # every 2nd step and the last one
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "latest.json",
+        "step-000002.ckpt",
+        "step-000002.replay",
+        "step-000003.ckpt",
+        "step-000003.replay",
+    ]
     assert (run_dir / "dataset.jsonl").is_file()
+    # resuming a finished run changes nothing
+    assert smoke.main(["--resume", str(run_dir), "--no-progress"]) == 0
+    assert "nothing left to run" in capsys.readouterr().out
+    assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
     # the same directory again is refused (it holds a run): --resume it instead
     assert smoke.main([*argv]) == 2
     assert "--resume" in capsys.readouterr().err
