@@ -27,6 +27,8 @@ from gymbridge import errors as E
         (E.ReplayCheckpointError, E.BridgeError),
         (E.ReplayCheckpointError, E.CheckpointError),
         (E.CheckpointError, E.GymbridgeError),
+        (E.JsonTooDeepError, E.ProtocolError),
+        (E.EnvSessionLostError, E.EnvServerError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:
