@@ -30,6 +30,8 @@ from gymbridge import errors as E
         (E.TrainingError, E.GymbridgeError),
         (E.PolicyDriftError, E.TrainingError),
         (E.WeightSyncError, E.TrainingError),
+        (E.JsonTooDeepError, E.ProtocolError),
+        (E.EnvSessionLostError, E.EnvServerError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:

@@ -290,9 +290,11 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         if loaded is not None:
             state, saved_replay = loaded
             replay = saved_replay if saved_replay is not None else replay
-        run.rewind(
-            last_step=state.step if state else 0, done_task_indices=state.done_task_indices if state else ()
-        )
+        if state is None or state.step < cfg.steps:  # a finished run keeps its records as they are
+            run.rewind(
+                last_step=state.step if state else 0,
+                done_task_indices=state.done_task_indices if state else (),
+            )
         print(
             f"resumed: step {state.step}/{cfg.steps}, policy version {state.policy_version}, "
             f"{len(state.done_task_indices)} row(s) done ({state.path.name})"
