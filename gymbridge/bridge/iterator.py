@@ -18,10 +18,11 @@ Invariants:
   (placeholder mismatch, undecodable media) is isolated and recorded on its own;
   ``stats.prompts_started == stats.groups_completed + stats.groups_failed +
   stats.groups_dropped + stats.groups_dropped_stale`` once the iterator is drained or
-  stopped (``groups_dropped``: completed groups of a final partial batch discarded by ``drop_last``, and every prompt
-  started but not yielded when the iterator stops, by :class:`BridgeStalledError` or
-  :meth:`~BridgeIterator.aclose`: completed groups not yet in a batch and groups cancelled
-  in flight, each recorded as a ``drop_last`` / ``bridge_stopped`` group record);
+  stopped (``groups_dropped``: completed groups of a final partial batch discarded by
+  ``drop_last``, and every prompt started but not yielded when the iterator stops, by
+  :class:`BridgeStalledError` or :meth:`~BridgeIterator.aclose`: completed groups not yet in
+  a batch and groups cancelled in flight, each recorded as a ``drop_last`` /
+  ``bridge_stopped`` group record);
 * any exception of one rollout (a source, postprocessing or batch-build failure, a
   gymbridge error or not) is that rollout's failure record, never an exception through
   the iterator;

@@ -176,7 +176,7 @@ def test_is_cap_truncates_the_importance_weight_of_the_unclipped_term() -> None:
         new = torch.tensor([[math.log(5.0), 0.0]], requires_grad=True)
         loss, stats = grpo_token_loss(new, old, adv, mask, is_cap=cap)
         (grad,) = torch.autograd.grad(loss, new)
-        return [float(loss), *grad[0].tolist(), stats["capped"]]
+        return [float(loss.detach()), *grad[0].tolist(), stats["capped"]]
 
     assert run(None) == pytest.approx([3.0, 2.5, 0.5, 0.0])  # loss (5 + 1) / 2; gradient weight 5
     assert run(2.0) == pytest.approx([1.5, 1.0, 0.5, 1.0])  # loss (2 + 1) / 2; gradient weight 2
