@@ -28,6 +28,7 @@ from gymbridge import errors as E
         (E.TrainingError, E.GymbridgeError),
         (E.PolicyDriftError, E.TrainingError),
         (E.WeightSyncError, E.TrainingError),
+        (E.GeneratorProcessError, E.TrainingError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:
