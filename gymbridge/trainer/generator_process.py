@@ -28,41 +28,19 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Literal
+from typing import IO
 
-from pydantic import Field
-
-from gymbridge.config import StrictModel
 from gymbridge.errors import GeneratorProcessError
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "GeneratorConfig",
-    "GeneratorProcessError",
     "ModelServerProcess",
     "start_model_server_process",
     "tiny_server_command",
 ]
 
 _READY = re.compile(r"serving on (http://\S+)")
-
-
-class GeneratorConfig(StrictModel):
-    """Where the generator runs and how it gets the trainer's weights (``generator:`` in the config)."""
-
-    placement: Literal["in_process", "process"] = "in_process"
-    """``in_process``: a generator with its own model copy in the launcher's process;
-    ``process``: ``gymbridge model serve`` as a child process, weights over torch.distributed."""
-    publish_weights: bool = True
-    """Publish the trainer's weights after every optimizer step. ``false`` leaves the generator
-    at the step-0 weights (what a forgotten weight sync looks like: the drift guard fails)."""
-    bucket_mb: int = Field(64, ge=1)
-    """Largest flat buffer of one broadcast (MiB)."""
-    sync_timeout_s: float = Field(120.0, gt=0)
-    """Bound on joining the weight group, each broadcast and each control call."""
-    startup_timeout_s: float = Field(180.0, gt=0)
-    """How long the child model server may take to print its ``serving on`` line."""
 
 
 class ModelServerProcess:

@@ -122,8 +122,12 @@ class StepMetrics:
     """Mean importance ratio over the loss tokens of the first micro-batch, before any update."""
     ratio_max_abs_log: float = 0.0
     """Largest ``|new - old|`` logprob over those tokens."""
+    policy_version: int | None = None
+    """The policy version published after this step (optimizer steps so far); set by the launcher."""
+    weight_sync_s: float = 0.0
+    """Seconds spent publishing this step's weights to the generator; set by the launcher."""
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
 
 

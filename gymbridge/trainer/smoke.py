@@ -7,12 +7,16 @@ On local defaults (``configs/smoke.yaml``) it
 2. starts, in this process on 127.0.0.1 free ports: the environment server, a model server
    (:class:`~gymbridge.generation.ModelServer`) over the tiny offline Qwen2-VL, and
    gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
-   ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`;
+   ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`.
+   With ``generator.placement: process`` the model server is ``gymbridge model serve`` in a
+   child process instead (:mod:`gymbridge.trainer.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
    :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
-   ``dp_workers > 0``) updates the policy **the generator samples from** (one model object:
-   the next step is on-policy);
+   ``dp_workers > 0``) updates the policy and publishes it to the generator, which holds a
+   model of its own, as the next policy version (a copy in process, a torch.distributed
+   broadcast to a child process); the drift guard fails the run if the next step's ratio
+   says the generator did not get it;
 4. prints one line per step (environment reward and shaped reward separately, loss, tokens,
    grad norm, rollouts ok / failed, time), a summary of how the shaped reward moved from the
    first to the last step, and the payload table; and stops every server it started, on
@@ -60,6 +64,7 @@ from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
+from gymbridge.trainer.placement import GeneratorConfig
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -108,6 +113,8 @@ class SmokeConfig(StrictModel):
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    """Where the generator runs (``placement: in_process | process``) and weight publication."""
 
 
 @dataclass
@@ -127,6 +134,8 @@ class SmokeResult:
     """The servers this run started (all stopped when it returns)."""
     work_dir: str = ""
     elapsed_s: float = 0.0
+    model_server_pid: int | None = None
+    """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
 
 
 def _environments() -> ModuleType:
@@ -177,6 +186,14 @@ def _group_rewards(groups: list[Any]) -> tuple[float, float]:
     return sum(env) / len(env), sum(bonus) / len(bonus)
 
 
+def _placement_line(handle: Any, sync_s: float) -> str:
+    where = "in this process" if handle.placement == "in_process" else f"process {handle.pid}"
+    if handle.publisher is None:
+        return f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)"
+    how = "copy" if handle.placement == "in_process" else "torch.distributed broadcast"
+    return f"generator: {where}; weights published after every step ({how}); v0 in {sync_s:.3f}s"
+
+
 def _step_line(
     step: int, total: int, m: StepMetrics, ok: int, failed: int, env: float, shaped: float | None
 ) -> str:
@@ -185,8 +202,26 @@ def _step_line(
     return (
         f"step {step}/{total}  {rewards}  loss {loss:+.5f}  tokens {m.num_tokens} "
         f"(trained {m.num_loss_tokens})  grad_norm {m.grad_norm:.4f}  ratio {m.mean_ratio:.4f}  "
-        f"rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
+        f"ratio_mean {m.ratio_mean:.5f}  rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
+        f"{_sync_text(m)}"
     )
+
+
+def _sync_text(m: StepMetrics) -> str:
+    """``  -> v3 (sync 0.021s)``: the version published after the step and what it cost."""
+    if m.policy_version is None:
+        return ""
+    return f"  -> v{m.policy_version} (sync {m.weight_sync_s:.3f}s)"
+
+
+async def _publish_step(handle: Any, step_trainer: Any, policy: Any, metrics: StepMetrics) -> StepMetrics:
+    """Publish the policy after a step as version = optimizer steps so far; record it on the metrics."""
+    from dataclasses import replace
+
+    base = getattr(step_trainer, "trainer", step_trainer)  # RayDPTrainer wraps the driver's GRPOTrainer
+    version = int(base.steps)
+    seconds = await asyncio.to_thread(handle.publish, policy, version)
+    return replace(metrics, policy_version=version, weight_sync_s=seconds)
 
 
 async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> SmokeResult:
@@ -196,17 +231,16 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
         BridgeIterator,
         GymRollouts,
         NativeRollouts,
-        PromptSeededGenerator,
         ReplayBuffer,
         TokenRateShaping,
     )
-    from gymbridge.generation.hf import HFGenerator
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.models import from_config, tiny_policy
+    from gymbridge.trainer.placement import start_generator
 
     started = time.perf_counter()
     result = SmokeResult(work_dir=str(work))
@@ -216,8 +250,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
     print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
     tiny = build_tiny_vlm(cfg.model_seed)
-    policy = tiny_policy(cfg.model_seed)  # one model: the generator samples from what the trainer updates
-    generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+    policy = tiny_policy(cfg.model_seed)  # the trainer's; the generator holds a model of its own
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -232,10 +265,24 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
         env = await start_server(spec.make_server())
         stack.push_async_callback(env.stop)
         result.urls["environment"] = env.url
+        handle = await start_generator(
+            cfg.generator,
+            stack,
+            serve=not cfg.native,
+            model_seed=cfg.model_seed,
+            processor=tiny.processor,
+            max_model_len=cfg.max_model_len,
+            default_max_tokens=cfg.max_tokens,
+            prompt_seed=cfg.seed if cfg.reproducible and not cfg.native else None,
+            model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+            log_dir=work,
+        )
+        result.model_server_pid = handle.pid
         source: Any
         if cfg.native:
+            assert handle.generator is not None  # native runs keep the generator in this process
             source = NativeRollouts(
-                generator,
+                handle.generator,
                 env.url,
                 max_turns=cfg.max_turns,
                 timeout_s=cfg.rollout_deadline_s,
@@ -244,19 +291,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             )
         else:
             from gymbridge.client import GymClient
-            from gymbridge.generation.server import ModelServer, ModelServerConfig
             from gymbridge.server import SimpleAgent
 
-            model_server = ModelServer(
-                PromptSeededGenerator(generator, cfg.seed) if cfg.reproducible else generator,
-                config=ModelServerConfig(
-                    model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
-                    max_model_len=cfg.max_model_len,
-                    default_max_tokens=cfg.max_tokens,
-                ),
-            )
-            model_url = await model_server.start()
-            stack.push_async_callback(model_server.stop)
+            model_url = str(handle.model_url)
             agent = SimpleAgent(
                 resources_url=env.url,
                 model_url=model_url,
@@ -272,6 +309,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             result.urls.update(model=model_url, agent=agent_running.url)
         stack.push_async_callback(source.aclose)
         print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
+        sync_s = await asyncio.to_thread(handle.publish, policy, 0)  # version 0: the initial weights
+        print(_placement_line(handle, sync_s), file=out)
 
         if cfg.dp_workers > 0:
             from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
@@ -317,6 +356,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
                 print(f"the dataset ran out after {step - 1} step(s)", file=out)
                 break
             metrics: StepMetrics = await asyncio.to_thread(step_trainer.step, batch)
+            metrics = await _publish_step(handle, step_trainer, policy, metrics)
             result.steps.append(metrics)
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
@@ -328,6 +368,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             line = _step_line(
                 step, cfg.steps, metrics, ok, failed, env_mean, bonus_mean if shaping is not None else None
             )
+            if handle.publisher is None:
+                line += " (not published: generator.publish_weights is off)"
             print(line, file=out, flush=True)
             if replay is not None:
                 replay.save(work / "replay.ckpt")
