@@ -40,8 +40,10 @@ exceptions (``TypeError``, ``ValueError``).
     ├── TrainingError          the training loop cannot go on
     │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
     │                          the trainer's (``ratio_mean``, ``tolerance``)
-    │   └── WeightSyncError    publishing weights to a generator failed
-    │                          (a name / shape mismatch, a dead group, a refused route)
+    │   ├── WeightSyncError    publishing weights to a generator failed
+    │   │                      (a name / shape mismatch, a dead group, a refused route)
+    │   └── GeneratorProcessError  the generator's own process did not start
+    │                          (exited or never ready; the message holds its log tail)
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -62,6 +64,7 @@ __all__ = [
     "EnvSessionLostError",
     "EnvTimeoutError",
     "EnvTransportError",
+    "GeneratorProcessError",
     "GymbridgeError",
     "JsonTooDeepError",
     "MediaDecodeError",
@@ -257,6 +260,10 @@ class PolicyDriftError(TrainingError):
 
 class WeightSyncError(TrainingError):
     """Publishing weights to a generator failed (mismatched layout, a refused route, a dead group)."""
+
+
+class GeneratorProcessError(TrainingError):
+    """The generator's own process did not start (it exited, or never became ready)."""
 
 
 class ConfigError(GymbridgeError):

@@ -32,6 +32,7 @@ from gymbridge import errors as E
         (E.WeightSyncError, E.TrainingError),
         (E.JsonTooDeepError, E.ProtocolError),
         (E.EnvSessionLostError, E.EnvServerError),
+        (E.GeneratorProcessError, E.TrainingError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:

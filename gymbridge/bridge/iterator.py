@@ -44,7 +44,10 @@ Invariants:
   version among the trajectory's turns (``Trajectory.oldest_policy_version``; the version the
   iterator had when the group started when the generator does not stamp versions). An older
   group is dropped: every rollout is recorded with class ``stale``, the group with class
-  ``stale`` (``stats.groups_dropped_stale``), never trained silently;
+  ``stale`` (``stats.groups_dropped_stale``), never trained silently. ``drop_stale=False``
+  (only meaningful on-policy, ``k = 0``) hands such a group to the trainer instead, with its
+  ``staleness`` set, for a drift guard to fail the step loudly (an on-policy generator that
+  lags is a broken weight sync, not data to drop);
 * **resumable position**: :attr:`BridgeIterator.done_task_indices` are the rows whose group
   was consumed (trained, failed or dropped); ``skip_task_indices`` (a resumed run's done rows)
   are never started again. Groups in flight are not done: a resumed run starts them afresh;
@@ -189,6 +192,7 @@ class BridgeIterator:
         max_staleness: ``k``: groups of the next ``k`` batches run ahead; a group more than ``k``
             policy versions old when its batch is asked for is dropped as ``stale`` (module docstring).
         skip_task_indices: rows never to start (a resumed run's :attr:`done_task_indices`).
+        drop_stale: drop groups over the bound (default); ``False``: pass them on (module docstring).
     """
 
     def __init__(
@@ -213,6 +217,7 @@ class BridgeIterator:
         reward_fn: Callable[[Trajectory], float] | None = None,
         max_staleness: int = 0,
         skip_task_indices: Iterable[int] = (),
+        drop_stale: bool = True,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -245,6 +250,7 @@ class BridgeIterator:
         self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
         self.reward_fn = reward_fn
         self.max_staleness = max_staleness
+        self.drop_stale = drop_stale
         self.policy_version = 0
         """The trainer's policy version: set it before asking for a batch (staleness is measured from it)."""
         self.done_task_indices: set[int] = set()
@@ -560,7 +566,7 @@ class BridgeIterator:
             self.done_task_indices.add(result.task_index)
             if result.batch is not None:
                 result = replace(result, staleness=self._staleness(result))
-                if result.staleness > self.max_staleness:
+                if result.staleness > self.max_staleness and self.drop_stale:
                     self._drop_stale(result)
                     self.last_dropped_stale.append(result)
                     continue

@@ -18,6 +18,13 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
 * ``POST /tokenize`` (vLLM's shape: ``{count, max_model_len, tokens}``),
   ``GET /v1/models``, and ``GET /``, ``/health``, ``/livez``, ``/healthz``,
   ``/readyz``. Paths may arrive prefixed ``/ng-rollout/<id>``.
+* Weight updates (only with a ``weight_sink``, i.e. ``--enable-weight-updates``; otherwise
+  403): ``POST /weights/init_group`` (the trainer's store address, world size, backend and
+  weight layout; 400 listing every layout mismatch, else 202 and the server joins the group
+  in the background), ``POST /weights/update`` (``version`` + ``buckets``: names, shapes,
+  dtypes; 202 once checked, then the buckets are received and loaded, and the version is
+  marked loaded in the group's store), ``GET /weights/status``. See
+  :mod:`gymbridge.trainer.weight_sync`.
 
 Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
@@ -43,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from aiohttp import web
 
-from gymbridge.errors import MediaError, MediaFetchError, ProtocolError
+from gymbridge.errors import MediaError, MediaFetchError, ProtocolError, WeightSyncError
 from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import (
     ChatCodec,
@@ -58,6 +65,7 @@ from gymbridge.trajectory.refresh import ConversationHistory, build_generation_i
 from gymbridge.trajectory.types import GenerationInput
 
 if TYPE_CHECKING:
+    from gymbridge.generation.weights import WeightSink
     from gymbridge.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
@@ -137,7 +145,8 @@ class ModelServer:
     """An aiohttp model server over ``generator``; see the module docstring.
 
     ``codec`` defaults to ``generator.codec``; ``media_policy`` (default
-    ``MediaPolicy()``) governs every media part of every request.
+    ``MediaPolicy()``) governs every media part of every request; ``weight_sink`` (default
+    none: the ``/weights/*`` routes answer 403) receives the trainer's weights.
     """
 
     def __init__(
@@ -147,6 +156,7 @@ class ModelServer:
         codec: ChatCodec | None = None,
         config: ModelServerConfig | None = None,
         media_policy: MediaPolicy | None = None,
+        weight_sink: WeightSink | None = None,
     ) -> None:
         codec = codec if codec is not None else getattr(generator, "codec", None)
         if not isinstance(codec, ChatCodec):
@@ -174,6 +184,12 @@ class ModelServer:
         self.media_policy = media_policy
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
+        self.weight_sink = weight_sink
+        self._weight_task: asyncio.Task[None] | None = None
+        self._weight_error: str | None = None
+        self._weight_syncs = 0
+        self._last_sync_s = 0.0
+        self._group_ready = False
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/"): self._health,
             ("GET", "/health"): self._health,
@@ -184,6 +200,9 @@ class ModelServer:
             ("POST", "/v1/chat/completions"): self._chat_completions,
             ("POST", "/v1/responses"): self._responses,
             ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/weights/init_group"): self._weights_init_group,
+            ("POST", "/weights/update"): self._weights_update,
+            ("GET", "/weights/status"): self._weights_status,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -195,6 +214,10 @@ class ModelServer:
         return app
 
     async def _on_cleanup(self, _app: web.Application) -> None:
+        if self._weight_task is not None and not self._weight_task.done():
+            self._weight_task.cancel()
+        if self.weight_sink is not None:
+            self.weight_sink.close()
         if isinstance(self.generator, BatchingGenerator):
             await self.generator.aclose()
 
@@ -241,6 +264,9 @@ class ModelServer:
             return _error(str(exc), status=exc.status, kind=exc.kind)
         except ContextLengthError as exc:
             return _error(str(exc), status=400, kind="BadRequestError")
+        except WeightSyncError as exc:
+            logger.warning("%s %s -> 400: %s", request.method, path, exc)
+            return _error(str(exc), status=400, kind="WeightSyncError")
         except MediaFetchError as exc:
             status = 503 if exc.retryable else 400
             return _error(f"media: {exc}", status=status, kind="MediaFetchError")
@@ -468,5 +494,117 @@ class ModelServer:
                     "output_tokens_details": {"reasoning_tokens": 0},
                     "total_tokens": len(prompt) + len(gen.token_ids),
                 },
+            }
+        )
+
+    # ------------------------------------------------------------------ weight updates
+
+    def _sink(self) -> WeightSink:
+        if self.weight_sink is None:
+            raise _BadRequest(
+                "weight updates are disabled on this server: start it with --enable-weight-updates",
+                status=403,
+                kind="PermissionDenied",
+            )
+        return self.weight_sink
+
+    def _weights_busy(self) -> bool:
+        return self._weight_task is not None and not self._weight_task.done()
+
+    async def _run_weight_task(self, what: str, work: Awaitable[None]) -> None:
+        try:
+            await work
+        except Exception as exc:  # recorded for /weights/status; the trainer times out or sees the mark
+            self._weight_error = f"{what}: {type(exc).__name__}: {exc}"
+            logger.error("weights %s failed: %s", what, exc)
+
+    async def _weights_init_group(self, request: web.Request) -> web.Response:
+        from gymbridge.generation.weights import TensorSpec
+
+        sink = self._sink()
+        if self._weights_busy():
+            raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        body = await self._body(request)
+        host, port = body.get("host"), body.get("port")
+        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+            raise _BadRequest("'host' (string) and 'port' (int) are required")
+        rank_offset = _int_or_none(body, "rank_offset") or 1
+        world_size = _int_or_none(body, "world_size")
+        if world_size is None or world_size < rank_offset + sink.ranks:
+            raise _BadRequest(f"'world_size' must be >= rank_offset + {sink.ranks} (this server's ranks)")
+        backend = body.get("backend", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise _BadRequest("'backend' must be 'gloo' or 'nccl'")
+        timeout_s = _number(body, "timeout_s", 120.0)
+        tensors = body.get("tensors")
+        if not isinstance(tensors, list):
+            raise _BadRequest("'tensors' (the trainer's weight layout) must be a list")
+        sink.check([TensorSpec.from_json(t) for t in tensors])
+        self._weight_error = None
+        self._group_ready = False
+
+        async def join() -> None:
+            await sink.join(
+                host=host,
+                port=port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+            self._group_ready = True
+
+        self._weight_task = asyncio.create_task(self._run_weight_task("init_group", join()))
+        return web.json_response({"status": "joining", "ranks": sink.ranks}, status=202)
+
+    async def _weights_update(self, request: web.Request) -> web.Response:
+        from gymbridge.generation.weights import Bucket
+
+        sink = self._sink()
+        body = await self._body(request)
+        timeout_s = _number(body, "timeout_s", 120.0)
+        if self._weight_task is not None and not self._weight_task.done():
+            # the trainer's side of a join returns as soon as both ranks are in: ours may still be
+            # finishing; a receive still running is the previous version, which must end first
+            await asyncio.wait({self._weight_task}, timeout=timeout_s)
+        if self._weights_busy():
+            raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        if not self._group_ready:
+            raise _BadRequest("no weight group: POST /weights/init_group first", status=409, kind="Conflict")
+        version = _int_or_none(body, "version")
+        if version is None or version < sink.policy_version:
+            raise _BadRequest(f"'version' must be an int >= the loaded version {sink.policy_version}")
+        raw = body.get("buckets")
+        if not isinstance(raw, list):
+            raise _BadRequest("'buckets' must be a list")
+        buckets = [Bucket.from_json(b) for b in raw]
+        sink.check([s for b in buckets for s in b.specs])
+
+        async def receive() -> None:
+            try:
+                seconds = await sink.receive(version, buckets, timeout_s=timeout_s)
+            except Exception as exc:
+                sink.mark_loaded(version, f"error: {type(exc).__name__}: {exc}")
+                raise
+            self._weight_syncs += 1
+            self._last_sync_s = seconds
+            sink.mark_loaded(version, "ok")
+
+        self._weight_task = asyncio.create_task(
+            self._run_weight_task(f"update to version {version}", receive())
+        )
+        return web.json_response({"status": "receiving", "version": version}, status=202)
+
+    async def _weights_status(self, _request: web.Request) -> web.Response:
+        sink = self._sink()
+        return _json(
+            {
+                "policy_version": sink.policy_version,
+                "ranks": sink.ranks,
+                "group_ready": self._group_ready,
+                "busy": self._weights_busy(),
+                "syncs": self._weight_syncs,
+                "last_sync_s": self._last_sync_s,
+                "error": self._weight_error,
             }
         )
