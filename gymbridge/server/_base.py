@@ -392,6 +392,10 @@ class GymServer:
             response = json_response(exc.payload, status=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             raise
+        except web.HTTPRequestEntityTooLarge:
+            response = json_response(
+                {"detail": f"request body is over the server's limit of {MAX_BODY_BYTES} bytes"}, status=413
+            )
         except web.HTTPException:
             raise
         except Exception as exc:
