@@ -56,6 +56,10 @@ def loads_json(raw: bytes | bytearray | memoryview | str, what: str = "JSON body
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth limit" in str(exc):  # orjson's own limit (1024) is past ours
+            raise JsonTooDeepError(
+                f"{what} nests arrays/objects deeper than {MAX_JSON_DEPTH} levels"
+            ) from None
         raise ProtocolError(f"{what} is not valid JSON: {exc}") from None
     if isinstance(raw, str):
         brackets = raw.count("[") + raw.count("{")

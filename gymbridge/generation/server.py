@@ -30,9 +30,25 @@ Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
 under the server's ``MediaPolicy``; ``n`` must be 1; concurrent requests are
 batched into the generator (:class:`BatchingGenerator`, unless the backend batches
-concurrent calls itself, like vLLM); every bad request gets a
+concurrent calls itself, like vLLM); a seeded request is never batched with another
+call, so it gets the answer it would get alone; every bad request gets a
 4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``
 and is logged, never a crash; unexpected failures are a 500 with the same shape.
+
+Bad input is a 4xx, never a 5xx (docs/security.md): a body over
+``max_body_bytes`` is 413; JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
+400; ``temperature`` outside ``[0, MAX_TEMPERATURE]`` (or not finite), ``top_p``
+outside ``(0, 1]``, a ``seed`` outside 64 bits, ``stop_token_ids`` outside ``[0, 2**31)``
+400 (a temperature in ``(0, 1e-5)`` is greedy, as vLLM treats it). A prompt whose
+text alone cannot fit the context (its characters over the longest token's length
+already exceed ``max_model_len``) is refused before it is tokenized.
+
+Request preparation (media decoding, chat template, tokenizer) runs in the server's
+own bounded thread pools, off the event loop and off the default executor:
+``prepare_threads`` threads build and render every request, and requests with media
+decode and render in a separate pool of ``media_threads`` threads, so at most that many
+images are decoded at once (the memory bound) and text-only requests never wait
+behind image decoding.
 """
 
 from __future__ import annotations
@@ -40,10 +56,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +79,7 @@ from gymbridge.generation.chat import (
 )
 from gymbridge.generation.outputs import chat_message, response_items
 from gymbridge.generation.types import ContextLengthError, Generation, Generator, SamplingConfig
+from gymbridge.limits import loads_json
 from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
 from gymbridge.trajectory.types import GenerationInput
 
@@ -103,15 +122,36 @@ class ModelServerConfig:
     batching: bool = True
     max_batch_size: int = 64
     batch_window_s: float = 0.002
+    max_body_bytes: int = 256 * 1024 * 1024
+    """Larger request bodies answer 413 (verify-sized payloads carry images as data URLs)."""
+    prepare_threads: int = 4
+    """Threads that build and tokenize requests (the server's own pool, not the default executor)."""
+    media_threads: int = 2
+    """Threads that decode media and render requests carrying media: at most this many
+    requests hold images being decoded at once (docs/security.md gives the memory budget)."""
 
 
-def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+MAX_TEMPERATURE = 100.0
+"""Largest accepted temperature: beyond it the scaled logits are numerically meaningless."""
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures in ``(0, 1e-5)`` are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
+1e-300 overflows to inf / NaN."""
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    """``body[key]`` as a finite float in ``[lo, hi]`` (400 otherwise; huge ints included)."""
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _BadRequest(f"'{key}' must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and lo <= number <= hi):
+        raise _BadRequest(f"'{key}' must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return number
 
 
 def _chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -182,6 +222,11 @@ class ModelServer:
 
             media_policy = MediaPolicy()
         self.media_policy = media_policy
+        if self.config.prepare_threads < 1 or self.config.media_threads < 1:
+            raise ValueError("prepare_threads and media_threads must be >= 1")
+        self._prepare_pool = ThreadPoolExecutor(self.config.prepare_threads, thread_name_prefix="gb-prepare")
+        self._media_pool = ThreadPoolExecutor(self.config.media_threads, thread_name_prefix="gb-media")
+        self._max_token_chars = _longest_token_chars(self.codec)
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
         self.weight_sink = weight_sink
@@ -208,7 +253,7 @@ class ModelServer:
     # ------------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         app.on_cleanup.append(self._on_cleanup)
         return app
@@ -220,6 +265,8 @@ class ModelServer:
             self.weight_sink.close()
         if isinstance(self.generator, BatchingGenerator):
             await self.generator.aclose()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0 = a free port); return the base URL (without ``/v1``)."""
@@ -280,11 +327,18 @@ class ModelServer:
             return _error(f"{type(exc).__name__}: {exc}", status=500, kind="InternalServerError")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _BadRequest(f"the request body is not valid JSON: {exc}") from exc
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _BadRequest(
+                f"the request body is over the server's limit of {self.config.max_body_bytes} bytes",
+                status=413,
+                kind="RequestEntityTooLarge",
+            ) from exc
+        try:
+            body = loads_json(raw, "the request body")
+        except ProtocolError as exc:
+            raise _BadRequest(str(exc)) from exc
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         if body.get("stream"):
@@ -302,14 +356,19 @@ class ModelServer:
             raise _BadRequest("'stop' strings are not supported; use 'stop_token_ids'")
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in stop_ids
         ):
-            raise _BadRequest("'stop_token_ids' must be a list of integers")
+            raise _BadRequest("'stop_token_ids' must be a list of integers in [0, 2**31)")
         seed = _int_or_none(body, "seed")
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise _BadRequest(f"'seed' must fit in 64 bits, got {seed}")
+        temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
         try:
             return SamplingConfig(
-                temperature=_number(body, "temperature", 1.0),
-                top_p=_number(body, "top_p", 1.0),
+                temperature=temperature,
+                top_p=_number(body, "top_p", 1.0, 5e-324, 1.0),
                 max_tokens=min(self.config.default_max_tokens if max_tokens is None else max_tokens, room),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,
@@ -323,8 +382,12 @@ class ModelServer:
         tools: list[dict[str, Any]],
         kwargs: Mapping[str, Any] | None,
     ) -> GenerationInput:
-        def work() -> GenerationInput:
+        def build_checked() -> list[ChatMessage]:
             messages = build()
+            self._refuse_overlong_text(messages)
+            return messages
+
+        def work(messages: list[ChatMessage]) -> GenerationInput:
             # decode every image once: the placeholder expansion and the GenerationInput share it
             history = ConversationHistory()
             history.append((), [p for m in messages for p in m.media])
@@ -337,8 +400,27 @@ class ModelServer:
             history.append(rendered.prompt_token_ids)
             return build_generation_input(history)
 
-        # media fetches, decoding and the processor are blocking: keep them off the event loop
-        return await asyncio.to_thread(work)
+        # media fetches, decoding and the processor are blocking: keep them off the event loop, in
+        # the server's own bounded pools (a flood of huge requests cannot take the default executor)
+        loop = asyncio.get_running_loop()
+        messages = await loop.run_in_executor(self._prepare_pool, build_checked)
+        pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
+        return await loop.run_in_executor(pool, work, messages)
+
+    def _refuse_overlong_text(self, messages: list[ChatMessage]) -> None:
+        """Refuse (``ContextLengthError``) a prompt whose text alone cannot fit, before tokenizing it.
+
+        No token covers more than ``_max_token_chars`` characters, so ``chars // _max_token_chars``
+        is a lower bound of the prompt's tokens: a 10 MB prompt is refused in microseconds
+        instead of seconds of tokenization and gigabytes of token lists.
+        """
+        chars = 0
+        for m in messages:
+            chars += len(m.text) + sum(len(r) for r in m.reasoning)
+            chars += sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+        at_least = chars // self._max_token_chars
+        if at_least > self.config.max_model_len:
+            raise ContextLengthError(prompt_tokens=at_least, max_model_len=self.config.max_model_len)
 
     async def _generate(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
         return (await self.generator.generate([inp], sampling))[0]
@@ -375,7 +457,13 @@ class ModelServer:
             )
             prompt = inp.prompt_token_ids
         elif isinstance(body.get("prompt"), str):
-            prompt = self.codec.encode(body["prompt"])
+            text = body["prompt"]
+            if len(text) // self._max_token_chars > self.config.max_model_len:
+                raise ContextLengthError(
+                    prompt_tokens=len(text) // self._max_token_chars, max_model_len=self.config.max_model_len
+                )
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._prepare_pool, self.codec.encode, text)
         else:
             raise _BadRequest("/tokenize needs 'messages' or a string 'prompt'")
         return _json({"count": len(prompt), "max_model_len": self.config.max_model_len, "tokens": prompt})
@@ -439,17 +527,12 @@ class ModelServer:
             raise _BadRequest("n must be 1")
         tools = responses_tools_to_chat(body.get("tools"))
         metadata = body.get("metadata") if isinstance(body.get("metadata"), Mapping) else None
-        inp = await self._prepare(
-            lambda: responses_to_messages(
-                body.get("input"),
-                instructions=body.get("instructions"),
-                metadata=metadata,
-                policy=self.media_policy,
-            ),
-            tools,
-            None,
+        build = lambda: responses_to_messages(  # noqa: E731 - built in the preparation pool
+            body.get("input"),
+            instructions=body.get("instructions"),
+            metadata=metadata,
+            policy=self.media_policy,
         )
-        prompt = inp.prompt_token_ids
         base = {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -466,16 +549,19 @@ class ModelServer:
             "max_output_tokens": body.get("max_output_tokens"),
         }
         try:
+            inp = await self._prepare(build, tools, None)
+            prompt = inp.prompt_token_ids
             sampling = self._sampling(body, len(prompt), _int_or_none(body, "max_output_tokens"))
         except ContextLengthError as exc:
             logger.info("responses: %s", exc)
+            n = exc.prompt_tokens
             return _json(
                 base
                 | {
                     "status": "incomplete",
                     "incomplete_details": {"reason": "max_output_tokens"},
                     "output": [],
-                    "usage": {"input_tokens": len(prompt), "output_tokens": 0, "total_tokens": len(prompt)},
+                    "usage": {"input_tokens": n, "output_tokens": 0, "total_tokens": n},
                 }
             )
         gen = await self._generate(inp, sampling)
@@ -535,7 +621,7 @@ class ModelServer:
         backend = body.get("backend", "gloo")
         if backend not in ("gloo", "nccl"):
             raise _BadRequest("'backend' must be 'gloo' or 'nccl'")
-        timeout_s = _number(body, "timeout_s", 120.0)
+        timeout_s = _number(body, "timeout_s", 120.0, 1e-3, 86_400.0)
         tensors = body.get("tensors")
         if not isinstance(tensors, list):
             raise _BadRequest("'tensors' (the trainer's weight layout) must be a list")
@@ -562,7 +648,7 @@ class ModelServer:
 
         sink = self._sink()
         body = await self._body(request)
-        timeout_s = _number(body, "timeout_s", 120.0)
+        timeout_s = _number(body, "timeout_s", 120.0, 1e-3, 86_400.0)
         if self._weight_task is not None and not self._weight_task.done():
             # the trainer's side of a join returns as soon as both ranks are in: ours may still be
             # finishing; a receive still running is the previous version, which must end first
@@ -608,3 +694,16 @@ class ModelServer:
                 "error": self._weight_error,
             }
         )
+
+
+def _longest_token_chars(codec: ChatCodec) -> int:
+    """Characters of the longest token in the vocabulary (added tokens included; at least 1).
+
+    A byte-level BPE vocabulary spells each byte as one character, so this also bounds the
+    bytes a token covers; unknown tokenizers fall back to a generous 256.
+    """
+    try:
+        vocab = codec.tokenizer.get_vocab()
+        return max(1, max((len(t) for t in vocab), default=1))
+    except Exception:  # a tokenizer without get_vocab: a bound that is still safe for real vocabularies
+        return 256

@@ -23,8 +23,9 @@ Invariants:
   ``X-Gymbridge-Error: env_session_lost``, never a fresh empty session. Minted ids
   are ``<token>.<HMAC under a per-instance key>``, so "not stored yet" (minted here,
   first use opens it) is told apart from "unknown" (minted by an earlier incarnation,
-  i.e. before a restart, or by someone else) and from "closed or evicted" (the last
-  ``max_sessions`` dropped ids are remembered);
+  i.e. before a restart, or by someone else) and from "evicted" (the last ``max_sessions``
+  evicted ids are remembered). A session the client closed (``close_session``) is not an
+  error to continue: it starts afresh, as stock Gym does;
 * no request kills the server: unknown paths answer 404, wrong methods 405,
   malformed JSON or JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
   400, and an unexpected exception in a handler becomes a 500
@@ -177,7 +178,7 @@ class RequestContext:
         """The session of a call that continues one (a tool call, ``verify``, ``step``).
 
         A request without a cookie gets a fresh session (stateless clients, stock
-        behaviour); a cookie the server does not know (it restarted, evicted or closed
+        behaviour); a cookie the server does not know (it restarted or evicted
         the session) answers 409 ``env_session_lost``: answering from a fresh empty
         session would score a rollout against state it never had.
         """
@@ -188,7 +189,7 @@ class RequestContext:
                 {
                     "detail": (
                         f"unknown session {self.session_id[:64]!r}: this server holds no session for "
-                        "the cookie (it restarted, evicted the session or closed it); "
+                        "the cookie (it restarted or evicted the session); "
                         "start a new rollout with seed_session or reset"
                     ),
                     "error": SESSION_LOST,
@@ -256,7 +257,8 @@ class GymServer:
         # incarnation (a restart) or another server is told apart from one minted here but not stored yet.
         self._session_key = secrets.token_bytes(16)
         self._dropped: OrderedDict[str, None] = OrderedDict()
-        """Ids closed or evicted (at most ``max_sessions``): continuing one is ``env_session_lost``."""
+        """Ids evicted from the full store (the last ``max_sessions``): continuing one is
+        ``env_session_lost``. A session its client closed is not remembered: the client ended it."""
         self.evicted_sessions = 0
         """Sessions dropped because the store was full (logged on the first and every 10,000th)."""
         for path in HEALTH_PATHS:
@@ -300,10 +302,8 @@ class GymServer:
         return self._sessions.get(session_id)
 
     def drop_session(self, session_id: str) -> bool:
-        dropped = self._sessions.pop(session_id, None) is not None
-        if dropped:
-            self._remember_dropped(session_id)
-        return dropped
+        """Forget a session its client closed (a later call with its cookie starts afresh, as stock)."""
+        return self._sessions.pop(session_id, None) is not None
 
     def _remember_dropped(self, session_id: str) -> None:
         self._dropped[session_id] = None
@@ -319,7 +319,7 @@ class GymServer:
 
     def session_usable(self, session_id: str) -> bool:
         """True when a call may continue ``session_id``: it is stored, or this instance minted
-        it and it was never closed or evicted (a session enters the store on first use)."""
+        it and never evicted it (a session enters the store on first use)."""
         if session_id in self._sessions:
             return True
         token, _, sig = session_id.rpartition(".")
@@ -392,6 +392,10 @@ class GymServer:
             response = json_response(exc.payload, status=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             raise
+        except web.HTTPRequestEntityTooLarge:
+            response = json_response(
+                {"detail": f"request body is over the server's limit of {MAX_BODY_BYTES} bytes"}, status=413
+            )
         except web.HTTPException:
             raise
         except Exception as exc:

@@ -24,7 +24,7 @@ Status codes match stock Gym (FastAPI): bad tool arguments 422 with
 ``{"detail": [...]}``, an unknown tool 404 ``{"detail": "Not Found"}``, a tool
 that raises 500 with the JSON string ``repr(exc)``; malformed JSON 400. One
 deliberate difference: a tool call, ``verify`` or ``step`` whose session cookie
-the server does not know (a restart, an evicted or closed session) answers 409
+the server does not know (a restart, an evicted session) answers 409
 ``env_session_lost`` instead of running against a fresh empty session; only
 ``seed_session`` / ``reset`` start sessions. Tool names in ``RESERVED_PATHS``
 (every protocol route) are refused at class creation.

@@ -58,17 +58,19 @@ async def test_seed_session_still_starts_a_session_for_an_unknown_cookie() -> No
         assert status == 200 and reply == {"count": 6}
 
 
-async def test_a_closed_or_evicted_session_cannot_be_continued() -> None:
+async def test_an_evicted_session_cannot_be_continued_a_closed_one_starts_afresh() -> None:
     server = CounterEnv(max_sessions=1)
     async with await start_server(server) as env, aiohttp.ClientSession() as http:
-        _, _, first = await post(http, env.url + "/seed_session", {}, {})
+        _, _, first = await post(http, env.url + "/seed_session", {"start": 4}, {})
         a = cookie(server, first.cookies[server.cookie_name].value)
         await post(http, env.url + "/close_session", {}, a)
-        assert (await post(http, env.url + "/increment", {}, a))[0] == 409  # closed
-        await post(http, env.url + "/seed_session", {}, a)  # re-seeding the same cookie reopens it
-        assert (await post(http, env.url + "/increment", {}, a))[0] == 200
+        status, reply, _ = await post(http, env.url + "/increment", {}, a)
+        assert status == 200 and reply == {"count": 1}  # the client closed it: a fresh one, as stock
         await post(http, env.url + "/seed_session", {}, {})  # a second session evicts the first
-        assert (await post(http, env.url + "/increment", {}, a))[0] == 409  # evicted
+        status, reply, _ = await post(http, env.url + "/increment", {}, a)
+        assert status == 409 and reply["error"] == SESSION_LOST  # evicted: never silently fresh
+        await post(http, env.url + "/seed_session", {}, a)  # re-seeding the cookie starts one
+        assert (await post(http, env.url + "/increment", {}, a))[0] == 200
 
 
 async def test_no_cookie_or_an_unstored_minted_cookie_still_gets_a_fresh_session() -> None:
