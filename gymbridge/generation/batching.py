@@ -31,7 +31,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gymbridge.generation.types import Generation, Generator, SamplingConfig
+from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
 from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
@@ -78,14 +78,7 @@ class BatchingGenerator:
             if hasattr(inner, attr):
                 setattr(self, attr, getattr(inner, attr))
 
-    @property
-    def policy_version(self) -> int:
-        """The wrapped generator's policy version (never a stale copy)."""
-        return self.inner.policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.inner.policy_version = version
+    policy_version = wrapped_policy_version("inner")
 
     def _ensure_worker(self) -> asyncio.Queue[_Pending]:
         loop = asyncio.get_running_loop()

@@ -12,7 +12,8 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
   ``choices[0].token_ids``, ``logprobs.content[].token == "token_id:<id>"`` (with
   ``return_tokens_as_token_ids``), tool calls under ``message.tool_calls``,
   reasoning under ``reasoning_content`` / ``reasoning`` (``reasoning_parser=True``,
-  like vLLM started with ``--reasoning-parser``). A prompt over the context window
+  like vLLM started with ``--reasoning-parser``), and a top-level ``policy_version`` (an
+  extra key vLLM does not send; clients ignore it). A prompt over the context window
   gets vLLM's HTTP 400 (``"This model's maximum context length is N tokens..."``),
   which ``vllm_model`` turns into an empty ``length`` completion.
 * ``POST /tokenize`` (vLLM's shape: ``{count, max_model_len, tokens}``),
@@ -505,8 +506,10 @@ class ModelServer:
                     for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
                 ]
             }
+        extra = {} if gen.policy_version is None else {"policy_version": gen.policy_version}
         return _json(
-            {
+            extra
+            | {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": int(time.time()),
