@@ -2,7 +2,8 @@
 
 Public API (stable): :class:`GRPOTrainer`, :class:`GRPOConfig`, :class:`StepMetrics`,
 :func:`token_logprobs`, :func:`grpo_token_loss`, :class:`RayDPTrainer`, :func:`init_ray`,
-:func:`param_digest`, :func:`tiny_policy`; the launcher lives in
+:func:`param_digest`, :func:`tiny_policy`; weight publication: :class:`WeightPublisher`,
+:class:`InProcessPublisher`, :class:`DistributedPublisher`, :class:`GeneratorConfig`; the launcher lives in
 :mod:`gymbridge.trainer.smoke` (``gymbridge smoke``). Ray is imported only when a
 :class:`RayDPTrainer` is made.
 """
@@ -20,15 +21,21 @@ from gymbridge.trainer.grpo import (
     token_logprobs,
 )
 from gymbridge.trainer.models import from_config, tiny_policy
+from gymbridge.trainer.placement import GeneratorConfig
 from gymbridge.trainer.ray_dp import DPWorker, RayDPTrainer, init_ray, param_digest, require_ray
+from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher, WeightPublisher
 
 __all__ = [
     "DPWorker",
+    "DistributedPublisher",
     "GRPOConfig",
     "GRPOTrainer",
+    "GeneratorConfig",
     "GradientResult",
+    "InProcessPublisher",
     "RayDPTrainer",
     "StepMetrics",
+    "WeightPublisher",
     "from_config",
     "grpo_token_loss",
     "init_ray",
