@@ -184,3 +184,23 @@ def test_buckets_are_bounded_single_dtype_and_cover_every_entry_once(
     for dtype in {b.dtype for b in buckets}:  # state-dict order kept within a dtype
         order = [s.name for b in buckets if b.dtype == dtype for s in b.specs]
         assert order == sorted(order, key=lambda name: int(name[1:]))
+
+
+def test_publishing_leaves_the_trainers_own_default_group_alone(
+    child: ModelServerProcess, publisher: DistributedPublisher, tmp_path: Path
+) -> None:
+    """A trainer already in a data-parallel group (torch's default group) still publishes:
+    the weight group is private and the default group is untouched."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'dp_store'}", rank=0, world_size=1)
+    try:
+        default = dist.group.WORLD
+        publisher.publish(nudged(4), (publisher.version or 0) + 1)
+        assert dist.group.WORLD is default and dist.get_world_size() == 1
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)  # the DP group still works
+        assert tensor.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    assert ask(child.url, "hi")["policy_version"] == publisher.version
