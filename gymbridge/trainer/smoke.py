@@ -51,7 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import Field
@@ -87,6 +87,9 @@ class SmokeConfig(StrictModel):
     """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
     reproducible: bool = True
     """Seed every rollout's sampling from ``seed`` (see the module docstring)."""
+    model: Literal["auto", "tiny-qwen2-vl", "tiny-qwen2.5-omni"] = "auto"
+    """The tiny offline model: ``auto`` takes the Qwen2.5-Omni thinker when the environment's
+    modalities include video or audio, else the Qwen2-VL (images)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
     max_tokens: int = Field(24, ge=1)
@@ -142,6 +145,60 @@ def _environments() -> ModuleType:
     raise ConfigError(
         ["the example environments are not importable: run from a gymbridge checkout (pip install -e .)"]
     )
+
+
+@dataclass(frozen=True)
+class _TinyModel:
+    """The launcher's model choice: processor and tokenizer, the trainable policy, and its ids."""
+
+    name: str
+    processor: Any
+    tokenizer: Any
+    policy: Any
+    placeholder_token_ids: tuple[int, ...]
+
+
+def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
+    """The tiny model for ``cfg.model`` (``auto``: by the environment's modalities, see ``SmokeConfig``)."""
+    from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
+
+    choice = cfg.model
+    if choice == "auto":
+        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & set(spec.modalities) else "tiny-qwen2-vl"
+    if choice == "tiny-qwen2.5-omni":
+        from gymbridge.testing.tiny_omni import build_tiny_omni
+
+        omni = build_tiny_omni(cfg.model_seed)
+        return _TinyModel(
+            f"gymbridge-tiny-qwen2.5-omni-seed{cfg.model_seed}",
+            omni.processor,
+            omni.tokenizer,
+            tiny_omni_policy(cfg.model_seed),
+            omni.placeholder_token_ids,
+        )
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+    vlm = build_tiny_vlm(cfg.model_seed)
+    return _TinyModel(
+        f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+        vlm.processor,
+        vlm.tokenizer,
+        tiny_policy(cfg.model_seed),
+        (vlm.image_token_id, vlm.video_token_id),
+    )
+
+
+def _media_summary(batch: Any) -> str:
+    """``media video: pixel_values_videos, video_grid_thw, video_second_per_grid (2 unique)`` for a batch."""
+    keys = batch.media_keys()
+    if not keys:
+        return ""
+    unique = batch.media_content_keys()
+    parts = [
+        f"{modality}: {', '.join(names)} ({len(unique.get(modality, []))} unique)"
+        for modality, names in sorted(keys.items())
+    ]
+    return "  media " + "; ".join(parts)
 
 
 def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
@@ -204,9 +261,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.grpo import GRPOTrainer
-    from gymbridge.trainer.models import from_config, tiny_policy
+    from gymbridge.trainer.models import from_config
 
     started = time.perf_counter()
     result = SmokeResult(work_dir=str(work))
@@ -215,9 +271,10 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
     n_rows = _write_dataset(cfg, spec, dataset)
     print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
-    tiny = build_tiny_vlm(cfg.model_seed)
-    policy = tiny_policy(cfg.model_seed)  # one model: the generator samples from what the trainer updates
-    generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+    tiny = _pick_model(cfg, spec)
+    policy = tiny.policy  # one model: the generator samples from what the trainer updates
+    print(f"model: {tiny.name} (random weights, offline)", file=out)
+    generator = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len, model_name=tiny.name)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -250,7 +307,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             model_server = ModelServer(
                 PromptSeededGenerator(generator, cfg.seed) if cfg.reproducible else generator,
                 config=ModelServerConfig(
-                    model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+                    model_name=tiny.name,
                     max_model_len=cfg.max_model_len,
                     default_max_tokens=cfg.max_tokens,
                 ),
@@ -303,7 +360,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             failures_path=work / "failures.jsonl",
             meter=meter,
             replay=replay,
-            placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
+            placeholder_token_ids=list(tiny.placeholder_token_ids),
             reward_fn=shaping,
         )
         stack.push_async_callback(bridge.aclose)
@@ -328,7 +385,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             line = _step_line(
                 step, cfg.steps, metrics, ok, failed, env_mean, bonus_mean if shaping is not None else None
             )
-            print(line, file=out, flush=True)
+            print(line + _media_summary(batch), file=out, flush=True)
             if replay is not None:
                 replay.save(work / "replay.ckpt")
         bar.close()
@@ -378,11 +435,19 @@ def run_smoke(cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = 
 def build_config(
     config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
 ) -> SmokeConfig:
-    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags."""
+    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags.
+
+    ``--env`` naming another environment than the file's drops the file's ``env_params`` (they are
+    that environment's generator parameters); ``--set env_params.X=...`` still applies.
+    """
     data: dict[str, Any] = {}
     path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
     if config_path is not None or path.is_file():
         data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
+    env_flag = flags.get("env")
+    if env_flag is not None and env_flag != data.get("env", env_flag):
+        # the file's env_params are its own env's generator parameters: another env gets its defaults
+        data.pop("env_params", None)
     for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
         node = data
         parts = key.split(".")
