@@ -314,11 +314,12 @@ class TinyVLMProcessor:
         pads = ((IMAGE_PAD, "image", images), (VIDEO_PAD, "video", videos), (AUDIO_PAD, "audio", audio))
         counts: dict[str, list[int]] = {}
         for pad, modality, media in pads:
+            plural = "audio clips" if modality == "audio" else f"{modality}s"
             counts[pad] = self._media(modality, media, data)
             total = sum(t.count(pad) for t in texts)
             if total != len(counts[pad]):
                 raise ValueError(
-                    f"text holds {total} {pad} placeholders but {len(counts[pad])} {modality}(s) given"
+                    f"text holds {total} {pad} placeholders but {len(counts[pad])} {plural} given"
                 )
         expanded: list[str] = []
         cursors = dict.fromkeys(counts, 0)
