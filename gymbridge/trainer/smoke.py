@@ -122,6 +122,8 @@ class SmokeResult:
     """Mean environment reward of each step's trained rollouts."""
     shaping_rewards: list[float] = field(default_factory=list)
     """Mean shaping bonus of each step's trained rollouts (0.0 without shaping)."""
+    media_keys: list[dict[str, list[str]]] = field(default_factory=list)
+    """Each step's trained media keys by modality (``TrainBatch.media_keys()``)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     bridge_stats: dict[str, Any] = field(default_factory=dict)
@@ -375,6 +377,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
                 break
             metrics: StepMetrics = await asyncio.to_thread(step_trainer.step, batch)
             result.steps.append(metrics)
+            result.media_keys.append(batch.media_keys())
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
             env_mean, bonus_mean = _group_rewards(bridge.last_groups)

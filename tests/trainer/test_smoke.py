@@ -176,6 +176,7 @@ def test_smoke_trains_audio_and_video_envs_on_the_omni_model(
     assert result.steps[0].num_loss_tokens > 0
     assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-4)
     assert f"media {modality}: {keys} (1 unique)" in text
+    assert result.media_keys == [{modality: keys.split(", ")}]
 
 
 def test_smoke_model_key_overrides_the_modality_choice() -> None:
