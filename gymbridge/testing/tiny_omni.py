@@ -64,6 +64,8 @@ from gymbridge.testing.tiny_vlm import (
     TinyImageProcessor,
     TinyVLMProcessor,
     build_tiny_tokenizer,
+    seeded_model,
+    tiny_text_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -215,7 +217,7 @@ def _build_tiny_omni(seed: int) -> TinyOmni:
     def tid(name: str) -> int:
         return int(tokenizer.convert_tokens_to_ids(name))
 
-    hidden = 64
+    hidden = int(tiny_text_config(0, 0)["hidden_size"])
     eos, pad = tid(IM_END), tid(END_OF_TEXT)
     vision_ids: dict[str, Any] = {
         "vision_start_token_id": tid(VISION_START),
@@ -244,19 +246,7 @@ def _build_tiny_omni(seed: int) -> TinyOmni:
             "spatial_merge_size": _MERGE,
             "temporal_patch_size": _TEMPORAL,
         },
-        text_config={
-            "vocab_size": 512,
-            "hidden_size": hidden,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": pad,
-            "eos_token_id": eos,
-            "pad_token_id": pad,
-        },
+        text_config=tiny_text_config(pad, eos),
         image_token_index=tid(IMAGE_PAD),
         video_token_index=tid(VIDEO_PAD),
         audio_token_index=tid(AUDIO_PAD),
@@ -266,17 +256,7 @@ def _build_tiny_omni(seed: int) -> TinyOmni:
         audio_end_token_id=tid(AUDIO_END),
         user_token_id=tid(IM_START),
     )
-    state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model: Any = Qwen2_5OmniThinkerForConditionalGeneration(config)
-    finally:
-        torch.random.set_rng_state(state)
-    model = model.to(dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = pad
-    model.generation_config.bos_token_id = pad
+    model = seeded_model(Qwen2_5OmniThinkerForConditionalGeneration, config, seed, eos=eos, pad=pad)
     processor = TinyVLMProcessor(
         tokenizer, TinyImageProcessor.build(), TinyVideoProcessor(), tiny_feature_extractor()
     )

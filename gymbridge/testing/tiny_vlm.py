@@ -365,6 +365,40 @@ class TinyVLM:
     im_start_token_id: int
 
 
+def tiny_text_config(pad: int, eos: int) -> dict[str, Any]:
+    """The tiny models' language model: hidden 64, 2 layers, 4 heads (2 KV), M-RoPE sections [2, 3, 3]."""
+    return {
+        "vocab_size": _VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": pad,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+    }
+
+
+def seeded_model(model_class: Any, config: Any, seed: int, *, eos: int, pad: int) -> Any:
+    """``model_class(config)`` with weights drawn from ``torch.manual_seed(seed)`` (the global RNG restored),
+    fp32, eval mode, its generation config's eos / pad / bos set."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model: Any = model_class(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model = model.to(dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = pad
+    return model
+
+
 _BUILD_LOCK = threading.Lock()
 
 
@@ -390,19 +424,7 @@ def _build_tiny_vlm(seed: int) -> TinyVLM:
     eos = tid(IM_END)
     pad = tid(END_OF_TEXT)
     config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": _VOCAB_SIZE,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": pad,
-            "eos_token_id": eos,
-            "pad_token_id": pad,
-        },
+        text_config=tiny_text_config(pad, eos),
         vision_config={
             "depth": 2,
             "embed_dim": 32,
@@ -418,17 +440,7 @@ def _build_tiny_vlm(seed: int) -> TinyVLM:
         vision_start_token_id=tid(VISION_START),
         vision_end_token_id=tid(VISION_END),
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model: Any = Qwen2VLForConditionalGeneration(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    model = model.to(dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = pad
-    model.generation_config.bos_token_id = pad
+    model = seeded_model(Qwen2VLForConditionalGeneration, config, seed, eos=eos, pad=pad)
     processor = TinyVLMProcessor(tokenizer, TinyImageProcessor.build())
     logger.debug(
         "built tiny Qwen2-VL (seed=%d, %d parameters)", seed, sum(p.numel() for p in model.parameters())
