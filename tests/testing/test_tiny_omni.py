@@ -53,3 +53,17 @@ def test_one_forward_takes_an_image_a_video_and_an_audio_clip(tiny_omni: TinyOmn
 def test_placeholder_count_mismatch_is_a_value_error(tiny_omni: TinyOmni) -> None:
     with pytest.raises(ValueError, match="audio"):
         tiny_omni.processor(text=["no placeholder"], audio=[(np.zeros(1600, dtype=np.float32), 16000)])
+
+
+def test_regression_generator_never_samples_audio_boundary_tokens(tiny_omni: TinyOmni) -> None:
+    """A sampled ``<|audio_start|>`` crashed the trainer's forward in Qwen2.5-Omni's M-RoPE index
+    (``audio_seqlens`` is None without audio): the generator and the trainer mask it like a placeholder."""
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.generation.types import media_special_token_ids
+
+    tok = tiny_omni.tokenizer
+    boundaries = {tok.convert_tokens_to_ids(t) for t in ("<|audio_start|>", "<|audio_end|>")}
+    want = set(tiny_omni.placeholder_token_ids) | boundaries
+    want |= {tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|vision_end|>")}
+    assert set(HFGenerator(tiny_omni.model, tiny_omni.processor).suppressed_token_ids) == want
+    assert set(media_special_token_ids(tiny_omni.model.config)) == want  # the trainer's default mask
