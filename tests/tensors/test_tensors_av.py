@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[2]
 for extra in (ROOT, ROOT / "tests" / "trainer"):
@@ -143,3 +145,28 @@ async def test_generator_refuses_audio_or_video_out_of_step_with_the_prompt(tiny
         await tiny_omni_gen.generate(
             [GenerationInput([20, tiny_omni_gen.audio_token_id, 21])], SamplingConfig(max_tokens=2)
         )
+
+
+@settings(max_examples=25, deadline=None)
+@given(frames=st.integers(1, 7), height=st.integers(20, 90), width=st.integers(20, 90))
+def test_video_grid_covers_every_frame_pair_and_agrees_with_its_tensor(
+    frames: int, height: int, width: int
+) -> None:
+    from gymbridge.tensors.processor import num_placeholders, process_decoded
+
+    sub = TinyVideoProcessor()
+    out = process_decoded("video", sub, np.zeros((frames, height, width, 3), dtype=np.uint8))
+    t, h, w = out["video_grid_thw"][0].tolist()
+    assert t == (frames + 1) // 2 and h % 2 == 0 and w % 2 == 0
+    assert out["pixel_values_videos"].shape == (t * h * w, 3 * 2 * 14 * 14)
+    assert num_placeholders("video", out, sub) == t * h * w // 4
+    assert h * w * 14 * 14 <= 56 * 56 or (h, w) == (2, 2)  # the pixel cap holds
+
+
+@settings(max_examples=50, deadline=None)
+@given(frames=st.integers(1, 3000))
+def test_audio_token_count_is_the_models_own(frames: int) -> None:
+    from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import Qwen2_5OmniAudioEncoder
+
+    _, expected = Qwen2_5OmniAudioEncoder._get_feat_extract_output_lengths(None, torch.tensor(frames))  # type: ignore[arg-type]
+    assert audio_output_length(frames) == int(expected)
