@@ -9,6 +9,11 @@ separately (separate ``MediaItem`` s over the same bytes: only provenance can me
 them). Variant ``tool``: one sample in four also gets a unique 448x448 tool image
 at its second model turn.
 
+Video and audio rows (at G = 16): ``B`` prompts of ``bouncing_ball`` (a 3 s 64x64 MP4,
+sampled at 2 fps -> 6 frames -> ``pixel_values_videos`` ``[48, 1176]``) and of ``beep_count``
+(a 3 s 16 kHz WAV -> ``input_features`` ``[1, 16, 400]``), processed by the tiny Qwen2.5-Omni
+thinker's processors, every rollout loading its clip separately.
+
 Boundaries: ``prompt_repeat`` (the prompts' media repeated G times), ``rollout_to_policy``
 (the whole ``TrainBatch``), ``policy_shard`` (the largest shard at DP = 2 and 8), and
 ``replay_checkpoint`` (the replay buffer's content: one ``TrainBatch`` per group). Each
@@ -174,6 +179,101 @@ def _pickle_and_copy(obj: Any) -> int:
     return len(stream) + sum(len(c) for c in copied)
 
 
+def measure_boundaries(
+    b_on: TrainBatch,
+    b_off: TrainBatch,
+    g: int,
+    prompts: int,
+    variant: str,
+    dtype_name: str,
+    results: list[dict[str, Any]],
+) -> list[str]:
+    """Table lines of every boundary for one pair of batches (dedup on / off); raw numbers to ``results``."""
+    lines: list[str] = []
+    # prompt_repeat: each prompt's media, repeated G times before generation
+    prompt_media = _first_media(b_on, torch.arange(0, len(b_on), g))
+    repeat_on = {k: v.repeat_interleave(g) for k, v in prompt_media.items()}
+    repeat_off = {k: v.unshared() for k, v in repeat_on.items()}
+    rows: list[tuple[str, Any, Any]] = [
+        ("prompt_repeat", repeat_on, repeat_off),
+        ("rollout_to_policy", b_on, b_off),
+    ]
+    for dp in (2, 8):
+        shards_on, shards_off = b_on.shard(dp), b_off.shard(dp)
+        sizes = [_bytes(sh) for sh in shards_on]
+        worst = sizes.index(max(sizes))
+        rows.append((f"policy_shard DP={dp} max", shards_on[worst], shards_off[worst]))
+    groups_on = [b_on.select(torch.nonzero(b_on.group_ids == k).reshape(-1)) for k in range(prompts)]
+    groups_off = [b_off.select(torch.nonzero(b_off.group_ids == k).reshape(-1)) for k in range(prompts)]
+    rows.append(("replay_checkpoint", groups_on, groups_off))
+    for name, obj_on, obj_off in rows:
+        n_on, n_off = _bytes(obj_on), _bytes(obj_off)
+        ratio, ideal = n_off / n_on, _ideal(obj_on)
+        results.append(
+            {
+                "g": g,
+                "variant": variant,
+                "dtype": dtype_name,
+                "boundary": name,
+                "ratio": ratio,
+                "ideal": ideal,
+            }
+        )
+        lines.append(
+            f"{g:>3} {variant:<7} {dtype_name:<5} {name:<22} {_fmt(n_off)} {_fmt(n_on)} "
+            f"{ratio:>6.2f}x {ideal:>6.2f}x {100 * ratio / ideal:>7.1f}%"
+        )
+    return lines
+
+
+def av_trajectories(modality: str, prompts: int, g: int) -> tuple[list[Trajectory], Any]:
+    """``prompts`` x ``g`` rollouts of the environment that carries ``modality`` (bouncing_ball's video,
+    beep_count's audio), each rollout loading its prompt's clip separately; returns them and the processor."""
+    from environments.registry import get_env
+    from gymbridge.media import load_media
+    from gymbridge.testing.tiny_omni import build_tiny_omni
+
+    omni = build_tiny_omni(0)
+    tok = omni.tokenizer
+    env = "bouncing_ball" if modality == "video" else "beep_count"
+    placeholder = omni.video_token_id if modality == "video" else omni.audio_token_id
+    start, end = (
+        ("<|vision_start|>", "<|vision_end|>")
+        if modality == "video"
+        else ("<|audio_start|>", "<|audio_end|>")
+    )
+    probe = MediaProcessor(omni.processor)
+    out: list[Trajectory] = []
+    for p in range(prompts):
+        row = get_env(env).make_row(0, p)
+        rcp = row["responses_create_params"]
+        source = (
+            rcp["metadata"]["audio_data"]
+            if modality == "audio"
+            else rcp["input"][1]["content"][0]["video_url"]
+        )
+        first = load_media(source, modality)  # type: ignore[arg-type]
+        n = probe.process([first])[first.key].num_placeholders or 0
+        prompt = [tok.convert_tokens_to_ids(start), *([placeholder] * n), tok.convert_tokens_to_ids(end)]
+        for s_ in range(g):
+            item = load_media(source, modality)  # type: ignore[arg-type]
+            gen = [60 + (p + k) % 100 for k in range(GEN_TOKENS - 1)] + [omni.eos_token_id]
+            turn = Turn(0, 0, "message", 0, [*range(40, 60), *prompt], gen, [-0.25] * len(gen), media=[item])
+            out.append(Trajectory(turns=[turn], reward=float((p + s_) % 3)))
+    return out, omni.processor
+
+
+def run_av(prompts: int, g: int, results: list[dict[str, Any]]) -> list[str]:
+    """Video and audio rows (fp32) at group size ``g``: the same boundaries as the image rows."""
+    lines: list[str] = []
+    for modality in ("video", "audio"):
+        trajs, processor = av_trajectories(modality, prompts, g)
+        on = TrainBatch.from_trajectories(trajs, MediaProcessor(processor), group_size=g, dedup=True)
+        off = TrainBatch.from_trajectories(trajs, MediaProcessor(processor), group_size=g, dedup=False)
+        lines.extend(measure_boundaries(on, off, g, prompts, modality, "fp32", results))
+    return lines
+
+
 def run_config(
     tiny: TinyVLM,
     full: TinyVLMProcessor,
@@ -201,39 +301,7 @@ def run_config(
     for dtype_name, cast in (("fp32", None), ("bf16", torch.bfloat16)):
         b_on = on if cast is None else on.cast_media(cast)
         b_off = off if cast is None else off.cast_media(cast)
-        # prompt_repeat: each prompt's image, repeated G times before generation
-        prompt_media = _first_media(b_on, torch.arange(0, len(b_on), g))
-        repeat_on = {k: v.repeat_interleave(g) for k, v in prompt_media.items()}
-        repeat_off = {k: v.unshared() for k, v in repeat_on.items()}
-        rows: list[tuple[str, Any, Any]] = [
-            ("prompt_repeat", repeat_on, repeat_off),
-            ("rollout_to_policy", b_on, b_off),
-        ]
-        for dp in (2, 8):
-            shards_on, shards_off = b_on.shard(dp), b_off.shard(dp)
-            sizes = [_bytes(sh) for sh in shards_on]
-            worst = sizes.index(max(sizes))
-            rows.append((f"policy_shard DP={dp} max", shards_on[worst], shards_off[worst]))
-        groups_on = [b_on.select(torch.nonzero(b_on.group_ids == k).reshape(-1)) for k in range(prompts)]
-        groups_off = [b_off.select(torch.nonzero(b_off.group_ids == k).reshape(-1)) for k in range(prompts)]
-        rows.append(("replay_checkpoint", groups_on, groups_off))
-        for name, obj_on, obj_off in rows:
-            n_on, n_off = _bytes(obj_on), _bytes(obj_off)
-            ratio, ideal = n_off / n_on, _ideal(obj_on)
-            results.append(
-                {
-                    "g": g,
-                    "variant": variant,
-                    "dtype": dtype_name,
-                    "boundary": name,
-                    "ratio": ratio,
-                    "ideal": ideal,
-                }
-            )
-            lines.append(
-                f"{g:>3} {variant:<7} {dtype_name:<5} {name:<22} {_fmt(n_off)} {_fmt(n_on)} "
-                f"{ratio:>6.2f}x {ideal:>6.2f}x {100 * ratio / ideal:>7.1f}%"
-            )
+        lines.extend(measure_boundaries(b_on, b_off, g, prompts, variant, dtype_name, results))
     t_shard_on, t_shard_off = _best_interleaved(lambda: on.shard(8), lambda: off.shard(8), max(15, repeats))
     t_pk_on, t_pk_off = _best_interleaved(
         lambda: _pickle_and_copy(on), lambda: _pickle_and_copy(off), repeats, 1
@@ -258,6 +326,16 @@ def check_targets(results: list[dict[str, Any]], shard_noise: float = 0.10) -> l
     """The issue's targets as (description, met): ratios against the ideal, dedup-on timings vs off."""
     checks: list[tuple[str, bool]] = []
     r2p = [r for r in results if r["boundary"] == "rollout_to_policy"]
+    for r in r2p:
+        if r["variant"] in ("video", "audio"):
+            share = r["ratio"] / r["ideal"]
+            checks.append(
+                (
+                    f"rollout_to_policy G={r['g']} {r['variant']} {r['ratio']:.2f}x = "
+                    f"{100 * share:.1f}% of ideal {r['ideal']:.2f}x (>= 98%)",
+                    share >= 0.98,
+                )
+            )
     for r in r2p:
         if r["g"] == 16 and r["variant"] == "single" and r["dtype"] == "fp32":
             checks.append(
@@ -290,6 +368,12 @@ def main() -> None:
     parser.add_argument("--groups", type=int, nargs="+", default=[4, 8, 16], help="G values")
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best of)")
     parser.add_argument(
+        "--av-group",
+        type=int,
+        default=0,
+        help="G of the video / audio rows (default 16, when 16 is in --groups)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: stable timings on shared CPUs)"
     )
     args = parser.parse_args()
@@ -320,6 +404,15 @@ def main() -> None:
             )
             print("\n".join(lines))
             timings.append(timing)
+    if 16 in args.groups or args.av_group:
+        g_av = args.av_group or 16
+        print(
+            f"\nvideo (bouncing_ball: 3 s, 64x64, sampled at 2 fps) and audio (beep_count: 3 s at 16 kHz) "
+            f"through the tiny Qwen2.5-Omni thinker's processors, G={g_av}, fp32:"
+        )
+        print(header)
+        print("-" * len(header))
+        print("\n".join(run_av(args.prompts, g_av, results)))
     print()
     th = (
         f"{'G':>3} {'variant':<7} {'process':>8} {'pack off':>9} {'pack on':>9} {'shard off':>9} "

@@ -14,6 +14,7 @@ import pytest
 
 if TYPE_CHECKING:
     from gymbridge.generation.hf import HFGenerator
+    from gymbridge.testing.tiny_omni import TinyOmni
     from gymbridge.testing.tiny_vlm import TinyVLM
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -52,3 +53,19 @@ def tiny_gen() -> HFGenerator:
     from gymbridge.generation.hf import HFGenerator
 
     return HFGenerator.tiny(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni() -> TinyOmni:
+    """The tiny offline Qwen2.5-Omni thinker (image, video, audio; random weights, seed 0), built once."""
+    from gymbridge.testing.tiny_omni import build_tiny_omni
+
+    return build_tiny_omni(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni_gen() -> HFGenerator:
+    """An ``HFGenerator`` over the tiny omni model (seed 0), built once per session."""
+    from gymbridge.generation.hf import HFGenerator
+
+    return HFGenerator.tiny_omni(0)

@@ -185,7 +185,7 @@ class BridgeIterator:
         meter: payload metrics (``rollout_to_policy`` here; the source records its own).
         replay: every yielded batch is also pushed into this buffer.
         placeholder_token_ids: media placeholder ids a rollout must never *generate* (default: the
-            processor's image / video placeholders; pass every placeholder the model knows).
+            processor's image / video / audio placeholders; pass every placeholder the model knows).
         reward_fn: reward shaping (length penalty, format bonus, ...): the trained reward becomes
             ``reward_fn(trajectory)``; the environment's stays in ``metadata["env_reward"]`` and the
             difference is the ``"shaping"`` reward component. A non-finite value fails the rollout.
@@ -245,7 +245,7 @@ class BridgeIterator:
         self.meter = meter
         self.replay = replay
         if placeholder_token_ids is None and processor is not None:
-            found = (processor.placeholder_token_id(m) for m in ("image", "video"))
+            found = (processor.placeholder_token_id(m) for m in ("image", "video", "audio"))
             placeholder_token_ids = [t for t in found if t is not None]
         self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
         self.reward_fn = reward_fn

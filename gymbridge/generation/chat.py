@@ -11,8 +11,10 @@ Three jobs, one class (:class:`ChatCodec`) per tokenizer / processor:
    decided by :mod:`gymbridge.protocol` (``media_ref_of_part``,
    ``media_refs_of_tool_output``) — the same rules the trajectory layer indexes
    media with — so a medium is never rendered into the prompt as base64 text while
-   the trajectory counts it as media. A codec whose processor takes images only
-   refuses other modalities with ``ProtocolError`` when it renders. Replayed token
+   the trajectory counts it as media. The processor expands image, video and audio
+   placeholders with their real counts; a modality it has no sub-processor for
+   (``video_processor``, ``feature_extractor``) is refused with ``ProtocolError`` when it
+   renders. Replayed token
    fields (``prompt_token_ids`` + ``generation_token_ids``) stay on the assistant
    message they came with.
 2. **Render** (:meth:`ChatCodec.render`) the conversation with the tokenizer's chat
@@ -467,26 +469,44 @@ class ChatCodec:
     ) -> list[int]:
         """Token ids of ``text`` with each media placeholder expanded for ``media`` (in order).
 
-        ``decode`` (default ``MediaItem.image``) lets a caller reuse images it already decoded.
+        Images, videos and audio clips go to the processor as ``images=`` / ``videos=`` /
+        ``audio=``; a modality the processor has no sub-processor for is refused with
+        ``ProtocolError``. ``decode`` (default ``MediaItem.image``) lets a caller reuse images
+        it already decoded.
         """
         if not media:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-        other = [m for m in media if m.modality != "image"]
-        if other:
-            kinds = sorted({m.modality for m in other})
-            raise ProtocolError(
-                f"only image media can be expanded by this codec's processor; the conversation holds "
-                f"{len(other)} {'/'.join(kinds)} item(s) (first: {other[0].short_source!r}): "
-                "serve this model with a backend whose processor takes them"
-            )
-        images = [(decode or _decode_image)(m) for m in media]
         if self.processor is self.tokenizer:
-            raise ProtocolError("this model has no processor for media: it cannot take images")
+            raise ProtocolError(
+                "this model has no processor for media: it cannot take images, video or audio"
+            )
+        refused = [m for m in media if not self.takes(m.modality)]
+        if refused:
+            kinds = sorted({m.modality for m in refused})
+            raise ProtocolError(
+                f"this model's processor cannot expand {'/'.join(kinds)} media; the conversation holds "
+                f"{len(refused)} such item(s) (first: {refused[0].short_source!r}): serve a model whose "
+                "processor takes them (the tiny omni model takes image, video and audio)"
+            )
+        by_modality: dict[str, list[Any]] = {}
+        for m in media:
+            value = (decode or _decode_image)(m) if m.modality == "image" else _decode_other(m)
+            by_modality.setdefault(m.modality, []).append(value)
+        kwargs = {_PROCESSOR_ARG[k]: v for k, v in by_modality.items()}
         try:
-            enc = self.processor(text=[text], images=images, add_special_tokens=False, return_tensors="pt")
+            enc = self.processor(text=[text], add_special_tokens=False, return_tensors="pt", **kwargs)
         except ValueError as exc:
             raise ProtocolError(f"media placeholders do not match the media: {exc}") from exc
         return [int(t) for t in enc["input_ids"][0].tolist()]
+
+    def takes(self, modality: str) -> bool:
+        """Whether this codec's processor can expand ``modality`` placeholders."""
+        if self.processor is self.tokenizer:
+            return False
+        if modality == "image":
+            return True
+        attr = {"video": "video_processor", "audio": "feature_extractor"}.get(modality)
+        return attr is not None and getattr(self.processor, attr, None) is not None
 
     def render(
         self,
@@ -568,6 +588,14 @@ class ChatCodec:
 
 def _decode_image(item: MediaItem) -> Any:
     return item.image()
+
+
+def _decode_other(item: MediaItem) -> Any:
+    return item.video() if item.modality == "video" else item.audio()
+
+
+_PROCESSOR_ARG = {"image": "images", "video": "videos", "audio": "audio"}
+"""The keyword a Hugging Face processor takes each modality's media under."""
 
 
 def _json_or_str(arguments: str) -> Any:

@@ -3,6 +3,7 @@
 ::
 
     gymbridge model serve --tiny [--seed S] [--host H] [--port P] [--enable-weight-updates]
+    gymbridge model serve --tiny-omni [--seed S] ...      # image, video and audio
     gymbridge model serve --model PATH [--backend hf|vllm] [--host H] [--port P]
 
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
@@ -39,9 +40,14 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p = sub.add_parser("serve", help="serve a generator as a NeMo Gym model server (training mode)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tiny", action="store_true", help="the tiny offline random-weight Qwen2-VL")
+    which.add_argument(
+        "--tiny-omni",
+        action="store_true",
+        help="the tiny offline random-weight Qwen2.5-Omni thinker (image, video and audio)",
+    )
     which.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation backend (default hf)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed of --tiny (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="weight seed of --tiny / --tiny-omni (default 0)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (default 8000)")
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
@@ -68,14 +74,17 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 def build_generator(args: argparse.Namespace) -> Any:
     """The generator the arguments name."""
     reasoning = not args.no_reasoning_parser
-    if args.tiny and args.backend != "hf":
+    tiny_omni = bool(getattr(args, "tiny_omni", False))
+    if (args.tiny or tiny_omni) and args.backend != "hf":
         from gymbridge.errors import ConfigError
 
-        raise ConfigError(["--tiny is the transformers model: it runs on --backend hf only"])
-    if args.tiny:
+        flag = "--tiny-omni" if tiny_omni else "--tiny"
+        raise ConfigError([f"{flag} is the transformers model: it runs on --backend hf only"])
+    if args.tiny or tiny_omni:
         from gymbridge.generation.hf import HFGenerator
 
-        return HFGenerator.tiny(args.seed, max_model_len=args.max_model_len, reasoning_parser=reasoning)
+        build = HFGenerator.tiny_omni if tiny_omni else HFGenerator.tiny
+        return build(args.seed, max_model_len=args.max_model_len, reasoning_parser=reasoning)
     if args.backend == "vllm":
         from gymbridge.generation.vllm import VLLMGenerator
 

@@ -1,12 +1,15 @@
 """``HFGenerator``: the transformers backend (CPU here, GPU elsewhere), token in / token out.
 
 Takes :class:`~gymbridge.trajectory.types.GenerationInput` s whose prompts already
-hold expanded media placeholders; the media (``multi_modal_data["image"]``, all
-images of the conversation so far, in order) go through the model's image
-processor once per call and reach the model as ``pixel_values`` (+
-``image_grid_thw`` for Qwen-VL). Works with the tiny offline Qwen2-VL
-(:meth:`HFGenerator.tiny`) and with any Hugging Face VLM or causal LM saved at a
-local path (:meth:`HFGenerator.from_pretrained`).
+hold expanded media placeholders; the media (``multi_modal_data["image"]`` /
+``["video"]`` / ``["audio"]``: all media of the conversation so far, in order) go through
+the model's sub-processors one medium at a time, with the function the trainer's batches
+use (:func:`~gymbridge.tensors.processor.process_decoded`), and reach the model under the
+names its ``forward`` takes (``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
+``video_grid_thw`` / ``video_second_per_grid``, ``input_features`` /
+``feature_attention_mask``). Works with the tiny offline Qwen2-VL (:meth:`HFGenerator.tiny`),
+the tiny offline Qwen2.5-Omni thinker (:meth:`HFGenerator.tiny_omni`), and with any Hugging
+Face VLM or causal LM saved at a local path (:meth:`HFGenerator.from_pretrained`).
 
 Invariants:
 
@@ -18,8 +21,9 @@ Invariants:
   warpers (the sampling distribution actually used; no top-k, no penalties), or of
   the raw logits for greedy decoding (``temperature == 0``); fp32 models reproduce
   them by a teacher-forced forward pass to ~1e-6;
-* a row whose placeholder count disagrees with its images (a stale prompt, a
-  missing image) is refused with ``ProtocolError`` before any model work;
+* a row whose placeholder count of any modality (image, video, audio) disagrees with its
+  media (a stale prompt, a missing clip) is refused with ``ProtocolError`` before any model
+  work;
 * every forward chunk runs under a forked, freshly seeded RNG, so the global torch RNG is
   untouched: with ``seed`` the chunk seeds derive from it (reproducible for a given batch
   composition; chunks never replay each other); without, each chunk draws fresh entropy, so
@@ -71,6 +75,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["HFGenerator", "suppress_logits"]
 
 
+_PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
+
+
 def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
     """A copy of ``[..., V]`` ``logits`` with ``token_ids`` set to ``-inf`` (ids >= V are ignored)."""
     ids = [t for t in token_ids if 0 <= t < logits.shape[-1]]
@@ -112,6 +119,13 @@ class HFGenerator:
         self.pad_token_id: int = int(pad if pad is not None else self.codec.end_of_turn_id)
         self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
         self.video_token_id: int | None = getattr(model.config, "video_token_id", None)
+        self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
+        self.placeholder_token_ids: dict[str, int | None] = {
+            "image": self.image_token_id,
+            "video": self.video_token_id,
+            "audio": self.audio_token_id,
+        }
+        """Each modality's placeholder id in this model's prompts (``None``: the model has none)."""
         self.suppressed_token_ids: tuple[int, ...] = tuple(
             sorted(set(media_special_token_ids(model.config)) | set(suppress_token_ids or ()))
         )
@@ -119,7 +133,8 @@ class HFGenerator:
         embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         """Rows of the input embedding: a prompt id outside ``[0, vocab_size)`` is refused."""
-        self._wants_mm_token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        self._forward_params = frozenset(inspect.signature(model.forward).parameters)
+        self._wants_mm_token_types = "mm_token_type_ids" in self._forward_params
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
         self.policy_version: int = 0
@@ -134,6 +149,15 @@ class HFGenerator:
 
         tiny = build_tiny_vlm(seed)
         kwargs.setdefault("model_name", f"gymbridge-tiny-qwen2-vl-seed{seed}")
+        return cls(tiny.model, tiny.processor, **kwargs)
+
+    @classmethod
+    def tiny_omni(cls, seed: int = 0, **kwargs: Any) -> HFGenerator:
+        """The tiny offline random-weight Qwen2.5-Omni thinker (image, video, audio; nothing downloaded)."""
+        from gymbridge.testing.tiny_omni import build_tiny_omni
+
+        tiny = build_tiny_omni(seed)
+        kwargs.setdefault("model_name", f"gymbridge-tiny-qwen2.5-omni-seed{seed}")
         return cls(tiny.model, tiny.processor, **kwargs)
 
     @classmethod
@@ -246,44 +270,58 @@ class HFGenerator:
             )
 
     def media_kwargs(self, inputs: Sequence[GenerationInput]) -> dict[str, Any]:
-        """Model inputs for the rows' media (``pixel_values``, ``image_grid_thw``), placeholder-checked."""
-        images: list[Any] = []
-        per_row: list[int] = []
+        """Model inputs for the rows' media (images, videos, audio), placeholder-checked per modality.
+
+        Each medium goes through :func:`~gymbridge.tensors.processor.process_decoded` (the
+        function the trainer's batches use), one at a time; a modality's tensors are
+        concatenated in row order, then in the order of the row's media.
+        """
+        from gymbridge.tensors.processor import num_placeholders, process_decoded
+
+        per_key: dict[str, list[torch.Tensor]] = {}
         for i, inp in enumerate(inputs):
-            extra = set(inp.multi_modal_data) - {"image"}
-            if extra:
-                raise ProtocolError(f"input {i}: HFGenerator takes images only, got {sorted(extra)}")
-            row_images = list(inp.multi_modal_data.get("image", []))
-            images.extend(row_images)
-            per_row.append(len(row_images))
-        if not images:
-            for i, inp in enumerate(inputs):
-                if self.image_token_id is not None and self.image_token_id in inp.prompt_token_ids:
+            for modality in inp.multi_modal_data:
+                if modality not in self.placeholder_token_ids:
+                    raise ProtocolError(f"input {i}: unknown media modality {modality!r}")
+            for modality, token_id in self.placeholder_token_ids.items():
+                items = list(inp.multi_modal_data.get(modality, []))
+                have = sum(1 for t in inp.prompt_token_ids if t == token_id) if token_id is not None else 0
+                if not items:
+                    if have:
+                        raise ProtocolError(
+                            f"input {i}: prompt holds {modality} placeholders but no "
+                            f"{_PLURAL[modality]} were given"
+                        )
+                    continue
+                sub = self._sub_processor(modality)
+                if sub is None:
+                    raise ProtocolError(f"this model's processor cannot take {modality} (input {i})")
+                want = 0
+                for item in items:
+                    try:
+                        outputs = process_decoded(modality, sub, item)
+                    except Exception as exc:
+                        name = type(sub).__name__
+                        raise ProtocolError(
+                            f"input {i}: {name} failed on a {modality}: {type(exc).__name__}: {exc}"
+                        ) from exc
+                    want += num_placeholders(modality, outputs, sub) or 0
+                    for key, value in outputs.items():
+                        per_key.setdefault(key, []).append(value)
+                if token_id is not None and have != want:
                     raise ProtocolError(
-                        f"input {i}: prompt holds image placeholders but no images were given"
-                    )
-            return {}
-        image_processor = getattr(self.processor, "image_processor", None)
-        if image_processor is None:
-            raise ProtocolError("this model's processor has no image processor: it cannot take images")
-        feats = image_processor(images=images, return_tensors="pt")
-        kwargs: dict[str, Any] = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
-        grid = kwargs.get("image_grid_thw")
-        if grid is not None and self.image_token_id is not None:
-            merge = int(getattr(image_processor, "merge_size", 1))
-            counts = (grid.to(torch.int64).prod(dim=-1) // (merge * merge)).tolist()
-            cursor = 0
-            for i, (inp, n) in enumerate(zip(inputs, per_row, strict=True)):
-                want = int(sum(counts[cursor : cursor + n]))
-                cursor += n
-                have = sum(1 for t in inp.prompt_token_ids if t == self.image_token_id)
-                if have != want:
-                    raise ProtocolError(
-                        f"input {i}: the prompt holds {have} image placeholder tokens but its {n} image(s) "
-                        f"need {want}: the prompt and the media are out of step (stale prompt?)"
+                        f"input {i}: the prompt holds {have} {modality} placeholder tokens but its "
+                        f"{len(items)} {modality}(s) need {want}: the prompt and the media are out of step "
+                        "(stale prompt?)"
                     )
         device = self.model.device
-        return {k: v.to(device) for k, v in kwargs.items()}
+        return {k: torch.cat(v, dim=0).to(device) for k, v in per_key.items()}
+
+    def _sub_processor(self, modality: str) -> Any | None:
+        attr = {"image": "image_processor", "video": "video_processor", "audio": "feature_extractor"}[
+            modality
+        ]
+        return getattr(self.processor, attr, None)
 
     def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` modality of each token (0 text, 1 image, 2 video), as Qwen-VL's M-RoPE needs."""
@@ -296,8 +334,14 @@ class HFGenerator:
 
     def model_inputs(self, ids: torch.Tensor, mask: torch.Tensor, media: dict[str, Any]) -> dict[str, Any]:
         """Keyword inputs of the model for ``[B, L]`` token ids, their mask and the media kwargs."""
+        from gymbridge.tensors.processor import forward_media_kwargs
+
         device = self.model.device
-        kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": mask.to(device), **media}
+        try:
+            named = forward_media_kwargs(media, self._forward_params)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from exc
+        kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": mask.to(device), **named}
         if media and self._wants_mm_token_types:
             kwargs["mm_token_type_ids"] = self.mm_token_type_ids(ids).to(device)
         return kwargs

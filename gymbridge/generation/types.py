@@ -164,9 +164,11 @@ def media_special_token_ids(config: Any) -> tuple[int, ...]:
     """Sorted ids a VLM must never *generate*: its media placeholders and vision boundary tokens.
 
     Read from the model config (``image_token_id``, ``video_token_id``, ``audio_token_id``,
-    ``vision_start_token_id``, ``vision_end_token_id``, ``vision_token_id``, their
-    ``*_token_index`` spellings, Gemma-3's ``boi`` / ``eoi`` image boundaries; on the config or
-    its ``text_config``); a text-only LM gives ``()``.
+    ``vision_start_token_id``, ``vision_end_token_id``, ``vision_token_id``, Qwen2.5-Omni's
+    ``audio_start_token_id`` / ``audio_end_token_id``, the ``*_token_index`` spellings, Gemma-3's
+    ``boi`` / ``eoi`` image boundaries; on the config or its ``text_config``); a text-only LM
+    gives ``()``. A sampled audio boundary is as fatal as a sampled placeholder: Qwen2.5-Omni's
+    M-RoPE index counts one audio clip per ``audio_start`` token and looks its length up.
     """
     names = (
         "image_token_id",
@@ -175,6 +177,8 @@ def media_special_token_ids(config: Any) -> tuple[int, ...]:
         "vision_start_token_id",
         "vision_end_token_id",
         "vision_token_id",
+        "audio_start_token_id",
+        "audio_end_token_id",
         "image_token_index",
         "video_token_index",
         "audio_token_index",

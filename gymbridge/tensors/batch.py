@@ -12,7 +12,9 @@ turn gives several rows sharing its reward and advantage). Per-row fields
   (trajectory index at build time), ``segment_ids`` int64 ``[B]``; ``sample_mask``
   bool ``[B]`` (False for ``mask_sample`` trajectories: kept as rows, loss mask 0,
   advantage 0, excluded from their group's statistics: nothing silently dropped);
-* ``metadata``: one dict per row; ``media``: output key -> ``PackedTensor`` with
+* ``metadata``: one dict per row (``media_content_keys``: the row's media content keys by
+  modality, in order; :meth:`TrainBatch.media_content_keys` / :meth:`TrainBatch.media_keys`
+  summarise a batch's media per modality); ``media``: output key -> ``PackedTensor`` with
   exactly ``B`` rows (row ``r`` holds row ``r``'s media in order of appearance;
   rows without media are empty rows).
 
@@ -213,6 +215,7 @@ class TrainBatch:
                         "truncated": traj.truncated,
                         "failure_class": traj.failure_class,
                         **traj.metadata,
+                        "media_content_keys": _content_keys_by_modality(row_media),
                     }
                 )
                 media_rows.append(row_media)
@@ -256,6 +259,25 @@ class TrainBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+    def media_keys(self) -> dict[str, list[str]]:
+        """Model-input keys of this batch's media by modality, e.g. ``{"audio": ["feature_attention_mask",
+        "input_features"]}`` (keys gymbridge does not know the modality of are under ``"other"``)."""
+        from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
+
+        out: dict[str, list[str]] = {}
+        for key in sorted(self.media):
+            out.setdefault(MEDIA_KEY_MODALITY.get(key, "other"), []).append(key)
+        return out
+
+    def media_content_keys(self) -> dict[str, list[str]]:
+        """Distinct content keys (sha256 of the bytes) of this batch's media by modality, first-seen order."""
+        out: dict[str, list[str]] = {}
+        for meta in self.metadata:
+            for modality, keys in (meta.get("media_content_keys") or {}).items():
+                seen = out.setdefault(modality, [])
+                seen.extend(k for k in keys if k not in seen)
+        return out
 
     @property
     def media_physical_nbytes(self) -> int:
@@ -585,7 +607,7 @@ def _check_placeholders(
     media: Sequence[ProcessedMedia],
 ) -> None:
     """Each modality's placeholder tokens in the turn's prompt delta must equal what its media imply."""
-    modalities = {m.modality for m in media} | {"image", "video"}
+    modalities = {m.modality for m in media} | {"image", "video", "audio"}
     tokens = torch.tensor(prompt_token_ids, dtype=torch.int64)
     for modality in sorted(modalities):
         token_id = processor.placeholder_token_id(modality)
@@ -605,6 +627,13 @@ def _check_placeholders(
                 f"token(s) but its {len(mine)} {modality}(s) need {expected} per the processor grid",
                 item_index=item_index,
             )
+
+
+def _content_keys_by_modality(media: Sequence[ProcessedMedia]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for m in media:
+        out.setdefault(m.modality, []).append(m.content_key)
+    return out
 
 
 def _pack_media(rows: Sequence[Sequence[ProcessedMedia]], *, dedup: bool) -> dict[str, PackedTensor]:

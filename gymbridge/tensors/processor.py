@@ -16,8 +16,23 @@ Invariants:
   content key (``stats.items_processed`` counts the sub-processor calls);
 * processor failures on an item are raised as ``MediaDecodeError`` naming its source;
 * ``num_placeholders(outputs)`` is what the item must occupy in the token stream
-  (``prod(grid_thw) // merge_size**2`` for Qwen-style grids), or ``None`` when the
-  processor gives no way to know it (then the placeholder check is skipped, logged).
+  (``prod(grid_thw) // merge_size**2`` for Qwen-style grids; for audio the encoder's
+  output length of ``feature_attention_mask.sum()`` frames, Qwen2-Audio / Qwen2.5-Omni's two
+  stride-2 stages ``((L - 1) // 2 + 1 - 2) // 2 + 1``, or the processor's own
+  ``num_audio_tokens``), or ``None`` when the processor gives no way to know it (then the
+  placeholder check is skipped, logged);
+* output keys carry the names the model's ``forward`` takes: an audio feature extractor's
+  ``attention_mask`` becomes ``feature_attention_mask`` (it must never reach the model as
+  the *text* attention mask), and a video gets ``video_second_per_grid`` (seconds per
+  temporal grid: ``temporal_patch_size / fps``, the sampling rate of
+  ``MediaItem.video()``, as Qwen2.5-Omni's processor computes it) when its processor does
+  not give a timing key itself; :func:`forward_media_kwargs` renames or drops keys per model;
+* audio is down-mixed to mono and resampled (PyAV) to the feature extractor's
+  ``sampling_rate`` before feature extraction;
+* :func:`process_decoded` is the one function that turns a *decoded* medium into tensors:
+  the trainer's batches (:class:`MediaProcessor`) and the generator's forward
+  (``HFGenerator``) both call it, so the tensors a generation saw are the tensors the
+  trainer replays.
 """
 
 from __future__ import annotations
@@ -25,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,7 +51,36 @@ from gymbridge.tensors.packed import derive_provenance
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MediaLike", "MediaProcessor", "ProcessedMedia", "ProcessorStats"]
+__all__ = [
+    "MEDIA_KEY_MODALITY",
+    "MediaLike",
+    "MediaProcessor",
+    "ProcessedMedia",
+    "ProcessorStats",
+    "audio_output_length",
+    "forward_media_kwargs",
+    "num_placeholders",
+    "process_decoded",
+]
+
+MEDIA_KEY_MODALITY: dict[str, str] = {
+    "pixel_values": "image",
+    "image_grid_thw": "image",
+    "pixel_values_videos": "video",
+    "video_grid_thw": "video",
+    "video_second_per_grid": "video",
+    "second_per_grid_ts": "video",
+    "input_features": "audio",
+    "feature_attention_mask": "audio",
+    "audio_feature_lengths": "audio",
+}
+"""The modality of each model-input key gymbridge's processing produces (others: ``"other"``)."""
+
+_TEXT_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids"})
+"""Keys of the token stream: media outputs never carry them (the rollout's tokens are authoritative)."""
+
+_TIMING_ALIASES: tuple[str, ...] = ("video_second_per_grid", "second_per_grid_ts")
+"""Seconds per temporal video grid, as Qwen2.5-Omni and Qwen2.5-VL spell it."""
 
 
 class MediaLike(Protocol):
@@ -82,6 +126,120 @@ class ProcessorStats:
 _GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
 
+def audio_output_length(feature_frames: int) -> int:
+    """Audio placeholder tokens for ``feature_frames`` valid mel frames (Qwen2-Audio / Qwen2.5-Omni).
+
+    The encoder's conv stem halves the frames (stride 2), then a stride-2 pooling halves them again.
+    """
+    after_conv = (feature_frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def _merge_size(sub: Any) -> int:
+    return int(getattr(sub, "merge_size", 1) or 1)
+
+
+def num_placeholders(modality: str, outputs: dict[str, torch.Tensor], sub: Any) -> int | None:
+    """Placeholder tokens one processed medium occupies (see the module docstring), or ``None``."""
+    grid_key = _GRID_KEYS.get(modality)
+    if grid_key is not None and grid_key in outputs:
+        grid = outputs[grid_key].to(torch.int64)
+        return int(grid.prod(dim=-1).sum()) // (_merge_size(sub) ** 2)
+    if modality == "audio" and "feature_attention_mask" in outputs:
+        frames = outputs["feature_attention_mask"].to(torch.int64).sum(dim=-1)
+        custom = getattr(sub, "num_audio_tokens", None)
+        if callable(custom):
+            return int(sum(int(custom(int(f))) for f in frames.tolist()))
+        return int(sum(audio_output_length(int(f)) for f in frames.tolist()))
+    return None
+
+
+def _mono_at(wave: Any, rate: int, target: int | None) -> Any:
+    """``wave`` (``[N]`` or ``[N, C]`` float) as mono float32 ``[N']`` at ``target`` Hz (PyAV's resampler)."""
+    import numpy as np
+
+    mono = np.asarray(wave, dtype=np.float32)
+    if mono.ndim == 2:
+        mono = mono.mean(axis=1, dtype=np.float32)
+    if target is None or int(target) == int(rate) or mono.size == 0:
+        return np.ascontiguousarray(mono)
+    import av
+
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(mono[None, :]), format="flt", layout="mono")
+    frame.sample_rate = int(rate)
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=int(target))
+    chunks = [f.to_ndarray()[0] for f in [*resampler.resample(frame), *resampler.resample(None)]]
+    return np.concatenate(chunks).astype(np.float32) if chunks else np.zeros(0, dtype=np.float32)
+
+
+def process_decoded(modality: str, sub: Any, decoded: Any) -> dict[str, torch.Tensor]:
+    """Model-input tensors of one decoded medium through its sub-processor ``sub``.
+
+    ``decoded`` is a PIL image, uint8 frames ``[T, H, W, 3]`` or ``(waveform, sample_rate)``
+    (what ``MediaItem.image()`` / ``.video()`` / ``.audio()`` return). Returns the media
+    tensors only, under the model's names (module docstring); raises what ``sub`` raises.
+    """
+    if modality == "image":
+        feats = sub(images=[decoded], return_tensors="pt")
+    elif modality == "video":
+        feats = sub(videos=[decoded], return_tensors="pt")
+    elif modality == "audio":
+        wave, rate = decoded
+        target = getattr(sub, "sampling_rate", None)
+        feats = sub(
+            _mono_at(wave, int(rate), target),
+            sampling_rate=int(target or rate),
+            return_tensors="pt",
+            padding="max_length",
+            return_attention_mask=True,
+        )
+    else:
+        raise ValueError(f"unknown modality {modality!r}")
+    outputs: dict[str, torch.Tensor] = {}
+    for out_key, value in feats.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if modality == "audio" and out_key == "attention_mask":
+            out_key = "feature_attention_mask"  # the feature mask, never the text mask
+        if out_key in _TEXT_KEYS:
+            continue  # the rollout's tokens are authoritative
+        outputs[out_key] = value.detach()
+    if modality == "video" and "video_grid_thw" in outputs and not any(k in outputs for k in _TIMING_ALIASES):
+        fps = float(getattr(sub, "fps", None) or 2.0)
+        temporal = float(getattr(sub, "temporal_patch_size", 2) or 2)
+        grids = outputs["video_grid_thw"].shape[0]
+        outputs["video_second_per_grid"] = torch.full((grids,), temporal / fps, dtype=torch.float32)
+    return outputs
+
+
+def forward_media_kwargs(
+    media: dict[str, torch.Tensor], forward_params: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """``media`` under the names a model's ``forward`` takes (``forward_params``).
+
+    A timing key the model spells the other way (``second_per_grid_ts`` vs
+    ``video_second_per_grid``) is renamed; a timing key the model does not take at all is
+    dropped (Qwen2-VL has none). A media key that would replace a token-stream input
+    (``input_ids``, ``attention_mask``, ...) raises ``ValueError``: a media mask must never
+    overwrite the text attention mask.
+    """
+    params = set(forward_params)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in media.items():
+        if key in _TEXT_KEYS:
+            raise ValueError(
+                f"media key {key!r} would replace the token stream's {key}: media outputs must carry "
+                "their own names (an audio feature mask is 'feature_attention_mask')"
+            )
+        if key in _TIMING_ALIASES and key not in params:
+            other = next((a for a in _TIMING_ALIASES if a != key and a in params), None)
+            if other is None:
+                continue
+            key = other
+        out[key] = value
+    return out
+
+
 def _short_source(item: MediaLike) -> str:
     short = getattr(item, "short_source", None)
     if isinstance(short, str):
@@ -103,8 +261,8 @@ class MediaProcessor:
     """Process media into model-input tensors once per content key (see the module docstring).
 
     ``processor`` is a Hugging Face processor (``processor.image_processor`` etc.) or a
-    bare image processor. ``image_token_id`` / ``video_token_id`` default to the
-    processor's own (``processor.image_token_id``, or its ``image_token`` looked up in its
+    bare image processor. ``image_token_id`` / ``video_token_id`` / ``audio_token_id`` default
+    to the processor's own (``processor.image_token_id``, or its ``image_token`` looked up in its
     tokenizer). ``name`` overrides the processor class name in the spec.
     """
 
@@ -115,6 +273,7 @@ class MediaProcessor:
         name: str | None = None,
         image_token_id: int | None = None,
         video_token_id: int | None = None,
+        audio_token_id: int | None = None,
     ) -> None:
         self.processor = processor
         self._subs: dict[str, Any] = {}
@@ -139,6 +298,9 @@ class MediaProcessor:
         )
         self.video_token_id = (
             video_token_id if video_token_id is not None else self._token_id("video_token_id", "video_token")
+        )
+        self.audio_token_id = (
+            audio_token_id if audio_token_id is not None else self._token_id("audio_token_id", "audio_token")
         )
         tokenizer = getattr(processor, "tokenizer", None)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -165,11 +327,16 @@ class MediaProcessor:
         return self._spec[modality]
 
     def placeholder_token_id(self, modality: str) -> int | None:
-        return {"image": self.image_token_id, "video": self.video_token_id}.get(modality)
+        return {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}.get(
+            modality
+        )
 
     def merge_size(self, modality: str) -> int:
-        sub = self._subs.get(modality)
-        return int(getattr(sub, "merge_size", 1) or 1)
+        return _merge_size(self._subs.get(modality))
+
+    def sub_processor(self, modality: str) -> Any | None:
+        """The processor that handles ``modality`` (``None`` when this processor has none)."""
+        return self._subs.get(modality)
 
     def process(self, items: Sequence[MediaLike]) -> dict[str, ProcessedMedia]:
         """Process ``items``; returns content key -> outputs, each distinct key processed once."""
@@ -197,12 +364,12 @@ class MediaProcessor:
             )
         try:
             if modality == "image":
-                feats = sub(images=[item.image()], return_tensors="pt")
+                decoded: Any = item.image()
             elif modality == "video":
-                feats = sub(videos=[item.video()], return_tensors="pt")
+                decoded = item.video()
             else:
-                wave, rate = item.audio()
-                feats = sub(wave, sampling_rate=rate, return_tensors="pt")
+                decoded = item.audio()
+            outputs = process_decoded(modality, sub, decoded)
         except MediaError:
             raise
         except Exception as exc:
@@ -210,12 +377,6 @@ class MediaProcessor:
                 f"{type(sub).__name__} failed on a {modality}: {type(exc).__name__}: {exc}",
                 source=_short_source(item),
             ) from exc
-        outputs: dict[str, torch.Tensor] = {}
-        for out_key, value in feats.items():
-            if out_key in ("input_ids", "attention_mask") and modality != "audio":
-                continue  # the rollout's tokens are authoritative
-            if isinstance(value, torch.Tensor):
-                outputs[out_key] = value.detach()
         if not outputs:
             raise MediaDecodeError(
                 f"{type(sub).__name__} returned no tensors for a {modality}", source=_short_source(item)
@@ -224,11 +385,7 @@ class MediaProcessor:
         provenance = {
             k: derive_provenance(item.key, spec, k, str(v.dtype)) for k, v in sorted(outputs.items())
         }
-        grid_key = _GRID_KEYS.get(modality)
-        num: int | None = None
-        if grid_key is not None and grid_key in outputs:
-            grid = outputs[grid_key].to(torch.int64)
-            num = int(grid.prod(dim=-1).sum()) // (self.merge_size(modality) ** 2)
+        num = num_placeholders(modality, outputs, sub)
         self.stats.items_processed += 1
         self.stats.per_modality[modality] = self.stats.per_modality.get(modality, 0) + 1
         return ProcessedMedia(modality, item.key, outputs, provenance, num)

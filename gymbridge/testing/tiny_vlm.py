@@ -52,6 +52,9 @@ IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"
+AUDIO_PAD = "<|audio_pad|>"
+AUDIO_START = "<|audio_start|>"
+AUDIO_END = "<|audio_end|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 END_OF_TEXT = "<|endoftext|>"
@@ -72,6 +75,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "</tool_response>",
 )
 """Special tokens, in id order: ``SPECIAL_TOKENS[i]`` has token id ``i``."""
+
+OMNI_SPECIAL_TOKENS: tuple[str, ...] = (*SPECIAL_TOKENS, AUDIO_START, AUDIO_PAD, AUDIO_END)
+"""The tiny omni model's special tokens: the VLM's (same ids) plus the audio ones."""
 
 TINY_MIN_PIXELS = 28 * 28 * 4
 """Smallest resized image area (pixels): at least 4 merged tokens per image."""
@@ -100,7 +106,8 @@ _CORPUS: tuple[str, ...] = (
     "<tools> </tools> Available functions are listed in JSON below.",
 )
 
-# Qwen2-VL style chat template, extended with Hermes tool rendering and a tool role. HF renders
+# Qwen2-VL style chat template, extended with Hermes tool rendering, a tool role, and video /
+# audio parts (Qwen2.5-Omni's layout: each medium between its boundary tokens). HF renders
 # templates with trim_blocks, which eats a newline right after a block tag: those newlines are
 # re-emitted as expressions below.
 _RAW_CHAT_TEMPLATE = (
@@ -131,6 +138,8 @@ _RAW_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "\n</tool_response>"
@@ -142,6 +151,8 @@ _RAW_CHAT_TEMPLATE = (
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "{% set image_count.value = image_count.value + 1 %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
@@ -160,11 +171,12 @@ _RAW_CHAT_TEMPLATE = (
 _CHAT_TEMPLATE = _RAW_CHAT_TEMPLATE.replace("%}\n", "%}{{ '\\n' }}")
 
 
-def build_tiny_tokenizer() -> Any:
+def build_tiny_tokenizer(special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Any:
     """Train a byte-level BPE tokenizer on the built-in corpus; return a ``PreTrainedTokenizerFast``.
 
     Deterministic: the same corpus and settings always give the same vocabulary.
-    Special tokens get ids ``0..len(SPECIAL_TOKENS)-1`` in the order of :data:`SPECIAL_TOKENS`.
+    Special tokens get ids ``0..len(special_tokens)-1`` in their order (default
+    :data:`SPECIAL_TOKENS`; the omni model passes :data:`OMNI_SPECIAL_TOKENS`).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -176,7 +188,7 @@ def build_tiny_tokenizer() -> Any:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=_VOCAB_SIZE,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -185,10 +197,10 @@ def build_tiny_tokenizer() -> Any:
         tokenizer_object=tok,
         eos_token=IM_END,
         pad_token=END_OF_TEXT,
-        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (IM_END, END_OF_TEXT)],
+        additional_special_tokens=[t for t in special_tokens if t not in (IM_END, END_OF_TEXT)],
     )
     fast.chat_template = _CHAT_TEMPLATE
-    for i, name in enumerate(SPECIAL_TOKENS):
+    for i, name in enumerate(special_tokens):
         got = fast.convert_tokens_to_ids(name)
         if got != i:  # pragma: no cover - guards the tokenizers library's id assignment
             raise RuntimeError(f"special token {name!r} got id {got}, expected {i}")
@@ -212,20 +224,41 @@ class TinyImageProcessor:
 
 
 class TinyVLMProcessor:
-    """Image-only Qwen2-VL processor: tokenizer + ``Qwen2VLImageProcessorPil``.
+    """Qwen-style processor: tokenizer + image processor (+ optional video processor and audio extractor).
 
-    ``processor(text=..., images=...)`` returns a ``BatchFeature`` with ``input_ids``,
-    ``attention_mask`` and, when images are given, ``pixel_values`` ``[sum(patches), 1176]``
-    and ``image_grid_thw`` ``[num_images, 3]``. Each ``<|image_pad|>`` in the text is
-    expanded to the image's merged token count, images consumed in order; the number of
-    pads in the text must equal the number of images (``ValueError`` otherwise).
+    ``processor(text=..., images=..., videos=..., audio=...)`` returns a ``BatchFeature`` with
+    ``input_ids``, ``attention_mask``, ``mm_token_type_ids`` and the media tensors
+    (``pixel_values`` / ``image_grid_thw``; ``pixel_values_videos`` / ``video_grid_thw`` /
+    ``video_second_per_grid``; ``input_features`` / ``feature_attention_mask``), made by
+    :func:`gymbridge.tensors.processor.process_decoded` one medium at a time, the function the
+    trainer's batches use. Each ``<|image_pad|>`` / ``<|video_pad|>`` / ``<|audio_pad|>`` in the
+    text is expanded to its medium's placeholder count, media consumed in order per modality;
+    the number of placeholders of a modality must equal the number of its media (``ValueError``
+    otherwise). Without a ``video_processor`` / ``feature_extractor`` the processor takes images
+    only (the tiny Qwen2-VL's case).
     """
 
-    def __init__(self, tokenizer: Any, image_processor: Any) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        image_processor: Any,
+        video_processor: Any | None = None,
+        feature_extractor: Any | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
+        if video_processor is not None:
+            self.video_processor = video_processor
+        if feature_extractor is not None:
+            self.feature_extractor = feature_extractor
         self.image_token = IMAGE_PAD
         self.image_token_id: int = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+        self.video_token = VIDEO_PAD
+        self.video_token_id: int = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
+        self.audio_token: str | None = AUDIO_PAD if feature_extractor is not None else None
+        self.audio_token_id: int | None = (
+            int(tokenizer.convert_tokens_to_ids(AUDIO_PAD)) if feature_extractor is not None else None
+        )
         self.chat_template: str = tokenizer.chat_template
 
     @property
@@ -238,16 +271,38 @@ class TinyVLMProcessor:
         return [int(c) for c in counts.tolist()]
 
     def mm_token_type_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Per-token modality ids ``[B, L]`` (0 text, 1 image) that Qwen2-VL's M-RoPE needs."""
-        return (input_ids == self.image_token_id).to(torch.int64)
+        """Per-token modality ids ``[B, L]`` (0 text, 1 image, 2 video) that Qwen-VL's M-RoPE needs."""
+        types = (input_ids == self.image_token_id).to(torch.int64)
+        return types + 2 * (input_ids == self.video_token_id).to(torch.int64)
 
     def apply_chat_template(self, conversation: Sequence[dict[str, Any]], **kwargs: Any) -> Any:
         return self.tokenizer.apply_chat_template(list(conversation), **kwargs)
+
+    def _media(self, modality: str, media: Any, data: dict[str, Any]) -> list[int]:
+        """Process ``media`` of one modality into ``data`` (concatenated); placeholder count per medium."""
+        from gymbridge.tensors.processor import num_placeholders, process_decoded
+
+        items = [] if media is None else list(media) if isinstance(media, list | tuple) else [media]
+        if modality == "audio" and isinstance(media, tuple) and len(media) == 2 and isinstance(media[1], int):
+            items = [media]  # one (waveform, rate) pair
+        if not items:
+            return []
+        sub = {"image": self.image_processor}.get(modality) or getattr(
+            self, "video_processor" if modality == "video" else "feature_extractor", None
+        )
+        if sub is None:
+            raise ValueError(f"this processor takes no {modality}")
+        outputs = [process_decoded(modality, sub, item) for item in items]
+        for key in outputs[0]:
+            data[key] = torch.cat([o[key] for o in outputs], dim=0)
+        return [int(num_placeholders(modality, o, sub) or 0) for o in outputs]
 
     def __call__(
         self,
         text: str | Sequence[str] | None = None,
         images: Any = None,
+        videos: Any = None,
+        audio: Any = None,
         return_tensors: str | None = "pt",
         padding: bool | str = True,
         **kwargs: Any,
@@ -255,29 +310,27 @@ class TinyVLMProcessor:
         from transformers import BatchFeature
 
         texts = [text] if isinstance(text, str) else list(text or [])
-        image_list: list[Any] = []
-        if images is not None:
-            image_list = list(images) if isinstance(images, list | tuple) else [images]
         data: dict[str, Any] = {}
-        counts: list[int] = []
-        if image_list:
-            feats = self.image_processor(images=image_list, return_tensors="pt")
-            data["pixel_values"] = feats["pixel_values"]
-            data["image_grid_thw"] = feats["image_grid_thw"]
-            counts = self.num_image_tokens(feats["image_grid_thw"])
-        total_pads = sum(t.count(IMAGE_PAD) for t in texts)
-        if total_pads != len(counts):
-            raise ValueError(
-                f"text holds {total_pads} {IMAGE_PAD} placeholders but {len(counts)} images given"
-            )
+        pads = ((IMAGE_PAD, "image", images), (VIDEO_PAD, "video", videos), (AUDIO_PAD, "audio", audio))
+        counts: dict[str, list[int]] = {}
+        for pad, modality, media in pads:
+            plural = "audio clips" if modality == "audio" else f"{modality}s"
+            counts[pad] = self._media(modality, media, data)
+            total = sum(t.count(pad) for t in texts)
+            if total != len(counts[pad]):
+                raise ValueError(
+                    f"text holds {total} {pad} placeholders but {len(counts[pad])} {plural} given"
+                )
         expanded: list[str] = []
-        cursor = 0
+        cursors = dict.fromkeys(counts, 0)
         for t in texts:
-            pieces = t.split(IMAGE_PAD)
-            out = pieces[0]
-            for piece in pieces[1:]:
-                out += IMAGE_PAD * counts[cursor] + piece
-                cursor += 1
+            out = t
+            for pad, _, _ in pads:  # each pad string is split once, so its expansion is never re-split
+                pieces = out.split(pad)
+                out = pieces[0]
+                for piece in pieces[1:]:
+                    out += pad * counts[pad][cursors[pad]] + piece
+                    cursors[pad] += 1
             expanded.append(out)
         if texts:
             enc = self.tokenizer(expanded, return_tensors=return_tensors, padding=padding, **kwargs)
@@ -312,6 +365,40 @@ class TinyVLM:
     im_start_token_id: int
 
 
+def tiny_text_config(pad: int, eos: int) -> dict[str, Any]:
+    """The tiny models' language model: hidden 64, 2 layers, 4 heads (2 KV), M-RoPE sections [2, 3, 3]."""
+    return {
+        "vocab_size": _VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "bos_token_id": pad,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+    }
+
+
+def seeded_model(model_class: Any, config: Any, seed: int, *, eos: int, pad: int) -> Any:
+    """``model_class(config)`` with weights drawn from ``torch.manual_seed(seed)`` (the global RNG restored),
+    fp32, eval mode, its generation config's eos / pad / bos set."""
+    state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model: Any = model_class(config)
+    finally:
+        torch.random.set_rng_state(state)
+    model = model.to(dtype=torch.float32)
+    model.eval()
+    model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = pad
+    model.generation_config.bos_token_id = pad
+    return model
+
+
 _BUILD_LOCK = threading.Lock()
 
 
@@ -337,19 +424,7 @@ def _build_tiny_vlm(seed: int) -> TinyVLM:
     eos = tid(IM_END)
     pad = tid(END_OF_TEXT)
     config = Qwen2VLConfig(
-        text_config={
-            "vocab_size": _VOCAB_SIZE,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 4096,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-            "bos_token_id": pad,
-            "eos_token_id": eos,
-            "pad_token_id": pad,
-        },
+        text_config=tiny_text_config(pad, eos),
         vision_config={
             "depth": 2,
             "embed_dim": 32,
@@ -365,17 +440,7 @@ def _build_tiny_vlm(seed: int) -> TinyVLM:
         vision_start_token_id=tid(VISION_START),
         vision_end_token_id=tid(VISION_END),
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model: Any = Qwen2VLForConditionalGeneration(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    model = model.to(dtype=torch.float32)
-    model.eval()
-    model.generation_config.eos_token_id = eos
-    model.generation_config.pad_token_id = pad
-    model.generation_config.bos_token_id = pad
+    model = seeded_model(Qwen2VLForConditionalGeneration, config, seed, eos=eos, pad=pad)
     processor = TinyVLMProcessor(tokenizer, TinyImageProcessor.build())
     logger.debug(
         "built tiny Qwen2-VL (seed=%d, %d parameters)", seed, sum(p.numel() for p in model.parameters())

@@ -98,14 +98,15 @@ def tiny_server_command(
     prompt_seed: int | None,
     enable_weight_updates: bool,
     host: str = "127.0.0.1",
+    model_flag: str = "--tiny",
 ) -> list[str]:
-    """The ``gymbridge model serve --tiny`` command line the smoke launcher runs as a child."""
+    """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child."""
     cmd = [
         sys.executable,
         "-m",
         "gymbridge.generation.cli",
         "serve",
-        "--tiny",
+        model_flag,
         "--seed",
         str(seed),
         "--host",

@@ -38,7 +38,11 @@ Invariants:
 
 * media are materialized only here, per micro-batch, right before the forward pass
   (``PackedTensor.materialize`` of the micro-batch's rows, in row order: the order the
-  model consumes image placeholders);
+  model consumes each modality's placeholders), and passed under the names the model's
+  ``forward`` takes (:func:`~gymbridge.tensors.processor.forward_media_kwargs`: images,
+  videos with their timing key, audio features with ``feature_attention_mask``); the text
+  ``input_ids`` / ``attention_mask`` are set last and a media key spelled like them is a
+  ``TrajectoryError``, so no media mask ever replaces the text attention mask;
 * gradients of a batch split into micro-batches (or DP shards, see
   :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
   its loss sum by the token count of the whole batch (``total_loss_tokens``);
@@ -189,18 +193,25 @@ def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
 
 
 def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
+    from gymbridge.tensors.processor import forward_media_kwargs
+
     device = next(model.parameters()).device
-    kwargs: dict[str, Any] = {
-        "input_ids": batch.input_ids.to(device),
-        "attention_mask": batch.attention_mask.to(device),
-    }
+    params = inspect.signature(model.forward).parameters
     media = media_kwargs(batch)
+    try:
+        named = forward_media_kwargs(media, params)
+    except ValueError as exc:
+        raise TrajectoryError(str(exc)) from exc
+    # the token stream's own inputs come last: no media key can ever replace them
+    kwargs: dict[str, Any] = {}
     model_dtype = next(model.parameters()).dtype
-    for key, value in media.items():
+    for key, value in named.items():
         kwargs[key] = value.to(device=device, dtype=model_dtype if value.is_floating_point() else value.dtype)
+    kwargs["input_ids"] = batch.input_ids.to(device)
+    kwargs["attention_mask"] = batch.attention_mask.to(device)
     config = model.config
-    _check_image_placeholders(config, batch, media)
-    if media and "mm_token_type_ids" in inspect.signature(model.forward).parameters:
+    _check_placeholders(config, batch, media)
+    if media and "mm_token_type_ids" in params:
         types = torch.zeros_like(batch.input_ids, dtype=torch.int32)
         # only modalities whose media are present: a stray placeholder id is text, not a crash
         for tid_name, code, key in (
@@ -214,23 +225,43 @@ def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
     return kwargs
 
 
-def _check_image_placeholders(config: Any, batch: TrainBatch, media: dict[str, torch.Tensor]) -> None:
-    """Image placeholder tokens must equal the features the grids imply (else the VLM cannot run)."""
-    tid = getattr(config, "image_token_id", None)
+_PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
+
+
+def _check_placeholders(config: Any, batch: TrainBatch, media: dict[str, torch.Tensor]) -> None:
+    """Each modality's placeholder tokens must equal the features its media imply (else the model cannot run).
+
+    Images and videos: ``prod(grid_thw) // spatial_merge_size**2``; audio: the encoder's output
+    length of each clip's ``feature_attention_mask`` frames. Images are always checked; a video or
+    audio placeholder in a batch without media of that modality is plain text to the model
+    (it never looks features up for it), so those are checked when their media are present.
+    """
+    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY, audio_output_length
+
     vision = getattr(config, "vision_config", None)
     merge = int(getattr(vision, "spatial_merge_size", 0) or 0)
-    if tid is None or not merge:
-        return
-    have = int((batch.input_ids == tid).sum())
-    grid = media.get("image_grid_thw")
-    want = int(grid.to(torch.int64).prod(dim=-1).sum()) // (merge * merge) if grid is not None else 0
-    if have != want:
-        per_row = (batch.input_ids == tid).sum(dim=1).tolist()
-        raise TrajectoryError(
-            f"the batch holds {have} image placeholder tokens but its images give {want} features "
-            f"(placeholders per row: {per_row}); a generated placeholder token or media that do not "
-            "belong to these rows"
-        )
+    for modality, grid_key in (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", None)):
+        tid = getattr(config, f"{modality}_token_id", None)
+        present = any(MEDIA_KEY_MODALITY.get(k) == modality for k in media)
+        if tid is None or (modality != "image" and not present):
+            continue
+        if grid_key is not None:
+            if not merge:
+                continue
+            grid = media.get(grid_key)
+            want = int(grid.to(torch.int64).prod(dim=-1).sum()) // (merge * merge) if grid is not None else 0
+        else:
+            mask = media.get("feature_attention_mask")
+            frames = mask.to(torch.int64).sum(dim=-1).tolist() if mask is not None else []
+            want = sum(audio_output_length(int(f)) for f in frames)
+        have = int((batch.input_ids == tid).sum())
+        if have != want:
+            per_row = (batch.input_ids == tid).sum(dim=1).tolist()
+            raise TrajectoryError(
+                f"the batch holds {have} {modality} placeholder tokens but its {_PLURAL[modality]} give "
+                f"{want} features (placeholders per row: {per_row}); a generated placeholder token or "
+                "media that do not belong to these rows"
+            )
 
 
 def token_logprobs(

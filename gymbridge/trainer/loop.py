@@ -44,6 +44,8 @@ class LoopStep:
     """Seconds ``publish`` took (0.0 when nothing was published)."""
     step_s: float
     """Wall seconds of the whole step: waiting for the batch, training, publishing."""
+    batch: TrainBatch
+    """The batch this step trained on."""
 
 
 async def train_step(
@@ -66,4 +68,4 @@ async def train_step(
         policy_version += 1
         if publish is not None:
             sync_s = await asyncio.to_thread(publish, policy_version)
-    return LoopStep(metrics, policy_version, sync_s, time.perf_counter() - started)
+    return LoopStep(metrics, policy_version, sync_s, time.perf_counter() - started, batch)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-__all__ = ["from_config", "tiny_policy"]
+__all__ = ["from_config", "tiny_omni_policy", "tiny_policy"]
 
 
 def tiny_policy(seed: int = 0) -> Any:
@@ -17,6 +17,13 @@ def tiny_policy(seed: int = 0) -> Any:
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
 
     return copy.deepcopy(build_tiny_vlm(seed).model)
+
+
+def tiny_omni_policy(seed: int = 0) -> Any:
+    """A private, trainable copy of the tiny offline Qwen2.5-Omni thinker (image, video and audio)."""
+    from gymbridge.testing.tiny_omni import build_tiny_omni
+
+    return copy.deepcopy(build_tiny_omni(seed).model)
 
 
 def from_config(model_class: type[Any], config: Any) -> Any:

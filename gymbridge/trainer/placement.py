@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -93,8 +94,15 @@ async def start_generator(
     prompt_seed: int | None,
     model_name: str,
     log_dir: Path,
+    policy_factory: Callable[[int], Any] | None = None,
+    serve_flag: str = "--tiny",
 ) -> GeneratorHandle:
-    """Set up the generator (and, with ``serve``, its model server); see the module docstring."""
+    """Set up the generator (and, with ``serve``, its model server); see the module docstring.
+
+    ``policy_factory(model_seed)`` builds the in-process generator's own model (default: the tiny
+    Qwen2-VL); ``serve_flag`` is the ``gymbridge model serve`` flag of the same model for the child
+    process (``--tiny`` or ``--tiny-omni``).
+    """
     if cfg.placement == "process":
         return await _start_process(
             cfg,
@@ -105,12 +113,14 @@ async def start_generator(
             default_max_tokens=default_max_tokens,
             prompt_seed=prompt_seed,
             log_dir=log_dir,
+            serve_flag=serve_flag,
         )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.trainer.models import tiny_policy
     from gymbridge.trainer.weight_sync import InProcessPublisher
 
-    generator = HFGenerator(tiny_policy(model_seed), processor, max_model_len=max_model_len)
+    build = policy_factory if policy_factory is not None else tiny_policy
+    generator = HFGenerator(build(model_seed), processor, max_model_len=max_model_len, model_name=model_name)
     publisher = InProcessPublisher(generator) if cfg.publish_weights else None
     url: str | None = None
     if serve:
@@ -138,6 +148,7 @@ async def _start_process(
     default_max_tokens: int,
     prompt_seed: int | None,
     log_dir: Path,
+    serve_flag: str,
 ) -> GeneratorHandle:
     from gymbridge.trainer.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
@@ -155,6 +166,7 @@ async def _start_process(
         default_max_tokens=default_max_tokens,
         prompt_seed=prompt_seed,
         enable_weight_updates=cfg.publish_weights,
+        model_flag=serve_flag,
     )
     child = await asyncio.to_thread(
         start_model_server_process,

@@ -66,9 +66,10 @@ import importlib
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import orjson
 from pydantic import AliasChoices, Field
@@ -125,6 +126,9 @@ class SmokeConfig(StrictModel):
     """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
     reproducible: bool = True
     """Seed every rollout's sampling from ``seed`` (see the module docstring)."""
+    model: Literal["auto", "tiny-qwen2-vl", "tiny-qwen2.5-omni"] = "auto"
+    """The tiny offline model: ``auto`` takes the Qwen2.5-Omni thinker when the environment's
+    modalities include video or audio, else the Qwen2-VL (images)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
     max_tokens: int = Field(24, ge=1)
@@ -164,6 +168,8 @@ class SmokeResult:
     """Mean environment reward of each step's trained rollouts."""
     shaping_rewards: list[float] = field(default_factory=list)
     """Mean shaping bonus of each step's trained rollouts (0.0 without shaping)."""
+    media_keys: list[dict[str, list[str]]] = field(default_factory=list)
+    """Each step's trained media keys by modality (``TrainBatch.media_keys()``)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     bridge_stats: dict[str, Any] = field(default_factory=dict)
@@ -192,6 +198,68 @@ def _environments() -> ModuleType:
     raise ConfigError(
         ["the example environments are not importable: run from a gymbridge checkout (pip install -e .)"]
     )
+
+
+@dataclass(frozen=True)
+class _TinyModel:
+    """The launcher's model choice: processor and tokenizer, the trainable policy, and its ids."""
+
+    name: str
+    processor: Any
+    tokenizer: Any
+    policy: Any
+    placeholder_token_ids: tuple[int, ...]
+    policy_factory: Callable[[int], Any]
+    """Builds this model's policy from a seed (the in-process generator's own copy)."""
+    serve_flag: str
+    """The ``gymbridge model serve`` flag that serves this model (``placement: process``)."""
+
+
+def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
+    """The tiny model for ``cfg.model`` (``auto``: by the environment's modalities, see ``SmokeConfig``)."""
+    from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
+
+    choice = cfg.model
+    if choice == "auto":
+        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & set(spec.modalities) else "tiny-qwen2-vl"
+    if choice == "tiny-qwen2.5-omni":
+        from gymbridge.testing.tiny_omni import build_tiny_omni
+
+        omni = build_tiny_omni(cfg.model_seed)
+        return _TinyModel(
+            f"gymbridge-tiny-qwen2.5-omni-seed{cfg.model_seed}",
+            omni.processor,
+            omni.tokenizer,
+            tiny_omni_policy(cfg.model_seed),
+            omni.placeholder_token_ids,
+            tiny_omni_policy,
+            "--tiny-omni",
+        )
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+    vlm = build_tiny_vlm(cfg.model_seed)
+    return _TinyModel(
+        f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+        vlm.processor,
+        vlm.tokenizer,
+        tiny_policy(cfg.model_seed),
+        (vlm.image_token_id, vlm.video_token_id),
+        tiny_policy,
+        "--tiny",
+    )
+
+
+def _media_summary(batch: Any) -> str:
+    """``media video: pixel_values_videos, video_grid_thw, video_second_per_grid (2 unique)`` for a batch."""
+    keys = batch.media_keys()
+    if not keys:
+        return ""
+    unique = batch.media_content_keys()
+    parts = [
+        f"{modality}: {', '.join(names)} ({len(unique.get(modality, []))} unique)"
+        for modality, names in sorted(keys.items())
+    ]
+    return "  media " + "; ".join(parts)
 
 
 def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
@@ -269,11 +337,10 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
-    from gymbridge.trainer.models import from_config, tiny_policy
+    from gymbridge.trainer.models import from_config
     from gymbridge.trainer.placement import start_generator
     from gymbridge.trainer.rundir import payload_delta, step_record
 
@@ -288,8 +355,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         n_rows = _write_dataset(cfg, spec, dataset)
         print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
-    tiny = build_tiny_vlm(cfg.model_seed)
-    policy = tiny_policy(cfg.model_seed)  # the trainer's; the generator holds a model of its own
+    tiny = _pick_model(cfg, spec)
+    policy = tiny.policy  # the trainer's; the generator holds a model of its own
+    print(f"model: {tiny.name} (random weights, offline)", file=out)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -335,7 +403,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             max_model_len=cfg.max_model_len,
             default_max_tokens=cfg.max_tokens,
             prompt_seed=cfg.seed if cfg.reproducible and not cfg.native else None,
-            model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+            model_name=tiny.name,
+            policy_factory=tiny.policy_factory,
+            serve_flag=tiny.serve_flag,
             log_dir=run.path,
         )
         result.model_server_pid = handle.pid
@@ -403,7 +473,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             failures_path=run.failures_path,
             meter=meter,
             replay=replay,
-            placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
+            placeholder_token_ids=list(tiny.placeholder_token_ids),
             reward_fn=shaping,
             max_staleness=cfg.rollout.max_staleness,
             skip_task_indices=state.done_task_indices if state is not None else (),
@@ -430,6 +500,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 done.metrics, policy_version=version, weight_sync_s=done.weight_sync_s
             )
             result.steps.append(metrics)
+            result.media_keys.append(done.batch.media_keys())
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
             env_mean, bonus_mean = _group_rewards(bridge.last_groups)
@@ -448,6 +519,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 payload=payload_delta(payload_before, meter.report()),
                 env_reward_mean=env_mean,
                 shaping_reward_mean=bonus_mean,
+                media_tensors=done.batch.media_keys(),
             )
             run.append_metrics(record)
             result.records.append(record)
@@ -460,7 +532,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 line += " (not published: generator.publish_weights is off)"
             if cfg.rollout.max_staleness > 0:
                 line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
-            print(line, file=out, flush=True)
+            print(line + _media_summary(done.batch), file=out, flush=True)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 await asyncio.to_thread(
                     save_checkpoint,
@@ -547,11 +619,19 @@ def resume_config(run_dir: str | Path) -> SmokeConfig:
 def build_config(
     config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
 ) -> SmokeConfig:
-    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags."""
+    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags.
+
+    ``--env`` naming another environment than the file's drops the file's ``env_params`` (they are
+    that environment's generator parameters); ``--set env_params.X=...`` still applies.
+    """
     data: dict[str, Any] = {}
     path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
     if config_path is not None or path.is_file():
         data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
+    env_flag = flags.get("env")
+    if env_flag is not None and env_flag != data.get("env", env_flag):
+        # the file's env_params are its own env's generator parameters: another env gets its defaults
+        data.pop("env_params", None)
     for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
         node = data
         parts = key.split(".")

@@ -279,3 +279,18 @@ def test_model_group_plugs_into_the_cli_dispatch_table(monkeypatch: pytest.Monke
     assert args.func is model_cli._cmd_serve and args.tiny and args.port == 0
     with pytest.raises(SystemExit):
         cli.build_parser(["model"]).parse_args(["model", "serve", "--tiny", "--model", "x"])
+
+
+def test_model_serve_tiny_omni_builds_the_omni_generator() -> None:
+    """``gymbridge model serve --tiny-omni``: a model server whose model takes image, video and audio."""
+    from gymbridge import cli
+    from gymbridge.errors import ConfigError
+    from gymbridge.generation import cli as model_cli
+
+    args = cli.build_parser(["model"]).parse_args(["model", "serve", "--tiny-omni", "--port", "0"])
+    gen = model_cli.build_generator(args)
+    assert gen.model_name == "gymbridge-tiny-qwen2.5-omni-seed0"
+    assert all(gen.codec.takes(m) for m in ("image", "video", "audio"))
+    args = cli.build_parser(["model"]).parse_args(["model", "serve", "--tiny-omni", "--backend", "vllm"])
+    with pytest.raises(ConfigError, match="--tiny-omni"):
+        model_cli.build_generator(args)

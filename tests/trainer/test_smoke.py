@@ -152,3 +152,36 @@ def test_reruns_with_the_same_seed_match(tmp_path: Path) -> None:
     a, b = run(0), run(0)
     assert a == b
     assert run(1) != a
+
+
+@pytest.mark.parametrize(
+    ("env", "modality", "keys"),
+    [
+        ("beep_count", "audio", "feature_attention_mask, input_features"),
+        ("bouncing_ball", "video", "pixel_values_videos, video_grid_thw, video_second_per_grid"),
+    ],
+)
+@pytest.mark.parametrize("native", [False, True], ids=["gym_path", "native_path"])
+def test_smoke_trains_audio_and_video_envs_on_the_omni_model(
+    env: str, modality: str, keys: str, native: bool, tmp_path: Path
+) -> None:
+    """``--env beep_count`` / ``--env bouncing_ball`` used to fail every rollout ("only image media")."""
+    out = io.StringIO()
+    cfg = build_config(
+        None, [], {"env": env, "native": native, "work_dir": str(tmp_path), **SMALL, "steps": 1}
+    )
+    assert cfg.env_params == {}  # configs/smoke.yaml's circle_click parameters do not leak into another env
+    result = run_smoke(cfg, out=out)
+    text = out.getvalue()
+    assert "model: gymbridge-tiny-qwen2.5-omni-seed0" in text
+    assert result.rollouts_ok == 2 and result.rollouts_failed == 0, text
+    assert result.steps[0].num_loss_tokens > 0
+    assert result.steps[0].mean_ratio == pytest.approx(1.0, abs=1e-4)
+    assert f"media {modality}: {keys} (1 unique)" in text
+    assert result.media_keys == [{modality: keys.split(", ")}]
+
+
+def test_smoke_model_key_overrides_the_modality_choice() -> None:
+    assert build_config(None, [("model", "tiny-qwen2.5-omni")], {}).model == "tiny-qwen2.5-omni"
+    with pytest.raises(ConfigError, match="model"):
+        build_config(None, [("model", "gpt-5")], {})
