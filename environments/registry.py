@@ -39,7 +39,7 @@ class EnvSpec:
 
     @property
     def package(self) -> str:
-        return f"environments.{self.name}"
+        return f"gymbridge_envs.{self.name}"
 
     def data_module(self) -> ModuleType:
         return importlib.import_module(f"{self.package}.data")
@@ -58,7 +58,7 @@ class EnvSpec:
             valid = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
             raise ConfigError(
                 [f"{self.name}: unknown generator parameter {k!r} (valid: {valid})" for k in unknown],
-                source=f"environments.{self.name}.data",
+                source=f"gymbridge_envs.{self.name}.data",
             )
 
     def make_row(self, seed: int, index: int, **params: Any) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from typing import Any, Literal
 import numpy as np
 import soundfile as sf
 
-from environments._common import row_rng
 from gymbridge.media import encode_data_url
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "beep_count"
 
@@ -37,7 +37,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.beep_count.server import BeepCountServer
+    from gymbridge_envs.beep_count.server import BeepCountServer
 
     return BeepCountServer.function_tools()
 

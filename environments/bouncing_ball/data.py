@@ -25,8 +25,8 @@ from typing import Any
 import av
 import numpy as np
 
-from environments._common import row_rng
 from gymbridge.media import encode_data_url
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "bouncing_ball"
 
@@ -38,7 +38,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.bouncing_ball.server import BouncingBallServer
+    from gymbridge_envs.bouncing_ball.server import BouncingBallServer
 
     return BouncingBallServer.function_tools()
 

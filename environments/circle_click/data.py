@@ -19,8 +19,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from environments._common import png_data_url, row_rng
 from gymbridge.server import image_part
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "circle_click"
 
@@ -44,7 +44,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.circle_click.server import CircleClickServer
+    from gymbridge_envs.circle_click.server import CircleClickServer
 
     return CircleClickServer.function_tools()
 

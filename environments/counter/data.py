@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from environments._common import row_rng
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "counter"
 
@@ -26,7 +26,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.counter.server import CounterServer
+    from gymbridge_envs.counter.server import CounterServer
 
     return CounterServer.function_tools()
 

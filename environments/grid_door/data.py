@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from environments._common import row_rng
-from environments.grid_door.game import Cell, shortest_path
+from gymbridge_envs._common import row_rng
+from gymbridge_envs.grid_door.game import Cell, shortest_path
 
 ENV_NAME = "grid_door"
 

@@ -20,8 +20,8 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from environments._common import png_data_url, row_rng
 from gymbridge.server import image_part
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "zoom_read"
 TARGET_COLOR = (220, 30, 30)
@@ -36,7 +36,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.zoom_read.server import ZoomReadServer
+    from gymbridge_envs.zoom_read.server import ZoomReadServer
 
     return ZoomReadServer.function_tools()
 

@@ -44,25 +44,22 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import importlib
 import logging
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import orjson
 from pydantic import Field
 
 from gymbridge.bridge.shaping import ShapingConfig
+from gymbridge.cli import load_example_environments
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
-
-if TYPE_CHECKING:
-    from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -127,21 +124,6 @@ class SmokeResult:
     """The servers this run started (all stopped when it returns)."""
     work_dir: str = ""
     elapsed_s: float = 0.0
-
-
-def _environments() -> ModuleType:
-    try:
-        return importlib.import_module("environments")
-    except ModuleNotFoundError as exc:
-        if exc.name != "environments":
-            raise
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "environments" / "registry.py").is_file():
-        sys.path.insert(0, str(checkout))
-        return importlib.import_module("environments")
-    raise ConfigError(
-        ["the example environments are not importable: run from a gymbridge checkout (pip install -e .)"]
-    )
 
 
 def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
@@ -210,7 +192,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
 
     started = time.perf_counter()
     result = SmokeResult(work_dir=str(work))
-    spec = _environments().get_env(cfg.env)
+    spec = load_example_environments().get_env(cfg.env)
     dataset = work / "dataset.jsonl"
     n_rows = _write_dataset(cfg, spec, dataset)
     print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
