@@ -168,8 +168,9 @@ def _cmd_env_list(args: argparse.Namespace) -> int:
     for spec in envs.list_envs():
         print(f"{spec.name:<{width}}  {spec.style:<9}  {','.join(spec.modalities):<6}  {spec.summary}")
         if args.params:
+            described = spec.describe_params()
             for key, default in spec.generator_params().items():
-                print(f"{'':<{width}}    --param {key}={default!r}")
+                print(f"{'':<{width}}    --param {key}={default!r}  ({described[key]})")
     return 0
 
 
@@ -177,8 +178,7 @@ def _cmd_env_data(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise ConfigError([f"--n must be >= 0, got {args.n}"])
     spec = _environments().get_env(args.name)
-    params = dict(args.param)
-    spec.check_params(params)
+    params = spec.check_params(dict(args.param))
     started = time.perf_counter()
 
     def rows() -> Iterator[dict[str, Any]]:

@@ -50,10 +50,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import orjson
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.cli import load_example_environments
@@ -101,10 +101,28 @@ class SmokeConfig(StrictModel):
     """> 0: keep a replay buffer and checkpoint it atomically after every step."""
     work_dir: str | None = None
     """Dataset, failures jsonl and replay checkpoint (default: a fresh temporary directory)."""
+    reward_components_check: Literal["sum", "off"] = "off"
+    """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
+
+    @field_validator("work_dir")
+    @classmethod
+    def _work_dir_is_not_a_file(cls, value: str | None) -> str | None:
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"{value} is a file, not a folder: give a new or existing directory")
+        return value
+
+    @model_validator(mode="after")
+    def _group_sizes(self) -> SmokeConfig:
+        # checked here, when the config loads: before any server starts
+        if self.min_group_size is not None and self.min_group_size > self.group_size:
+            raise ValueError(
+                f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size})"
+            )
+        return self
 
 
 @dataclass
@@ -282,6 +300,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, work: Path) -> Sm
             min_group_size=cfg.min_group_size,
             max_consecutive_failed_groups=cfg.max_consecutive_failed_groups,
             dedup=cfg.dedup,
+            reward_components_check=cfg.reward_components_check,
             failures_path=work / "failures.jsonl",
             meter=meter,
             replay=replay,
@@ -350,7 +369,10 @@ def run_smoke(cfg: SmokeConfig, *, out: IO[str] | None = None, progress: bool = 
     out = out if out is not None else sys.stdout
     if cfg.work_dir is not None:
         work = Path(cfg.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
+        try:
+            work.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a parent is a file, no permission, ...
+            raise ConfigError([f"work_dir {work}: cannot create it: {exc.strerror or exc}"]) from exc
         return asyncio.run(_run(cfg, out, progress, work))
     with tempfile.TemporaryDirectory(prefix="gymbridge-smoke-") as tmp:
         return asyncio.run(_run(cfg, out, progress, Path(tmp)))
