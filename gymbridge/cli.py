@@ -178,6 +178,10 @@ def _cmd_env_data(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise ConfigError([f"--n must be >= 0, got {args.n}"])
     spec = _environments().get_env(args.name)
+    if args.out.is_dir():
+        raise ConfigError(
+            [f"--out {args.out} is a directory: give a file path such as {args.out}/rows.jsonl"]
+        )
     params = spec.check_params(dict(args.param))
     started = time.perf_counter()
 
@@ -199,6 +203,8 @@ def _cmd_env_data(args: argparse.Namespace) -> int:
         count = write_jsonl(rows(), args.out)
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"{spec.name} generator: {exc}"], source="--param") from exc
+    except OSError as exc:  # a parent that is a file, no permission, a full disk
+        raise ConfigError([f"--out {args.out}: cannot write it: {exc.strerror or exc}"]) from exc
     size_mib = args.out.stat().st_size / 2**20
     elapsed = time.perf_counter() - started
     summary = f"wrote {count} {spec.name} rows to {args.out} ({size_mib:.2f} MiB, {elapsed:.2f} s)"

@@ -107,13 +107,15 @@ def build_generator(args: argparse.Namespace) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from gymbridge.generation.server import ModelServer, ModelServerConfig
-    from gymbridge.media import MediaPolicy
     from gymbridge.server._base import probe_port, serve_until_stopped
 
     if args.model is not None:
         check_model_dir(args.model)
-    probe_port(args.host, args.port)  # a taken port fails now, not after loading the model
+    probe_port(args.host, args.port)  # a taken port fails now, before torch and the model load
+
+    from gymbridge.generation.server import ModelServer, ModelServerConfig
+    from gymbridge.media import MediaPolicy
+
     generator = build_generator(args)
     config = ModelServerConfig(
         model_name=str(getattr(generator, "model_name", args.model or "gymbridge-model")),
