@@ -297,7 +297,7 @@ async def test_property_failure_mix_every_row_exactly_one_correct_outcome(
     behaviours: list[str], concurrency: int
 ) -> None:
     """Any mix of successes, retried faults, data faults, transport faults and hangs: one outcome per row,
-    classified per DESIGN §6, with retries bounded by ``max_attempts``."""
+    classified per docs/design.md ("Reliability rules"), with retries bounded by ``max_attempts``."""
     import asyncio
 
     calls: dict[int, int] = {}
