@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -63,6 +64,15 @@ def _run(argv: list[str], *, cwd: Path, timeout: float = 300, check: bool = True
     return proc.stdout
 
 
+@pytest.fixture(scope="module")
+def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the checkout to ``pip install`` from (an in-tree build would write build/ here)."""
+    heavy = shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__", ".*_cache", "runs")
+    target = tmp_path_factory.mktemp("src") / "gymbridge"
+    shutil.copytree(REPO, target, ignore=heavy)
+    return target
+
+
 def _new_venv(where: Path) -> Path:
     _run([BASE_PYTHON, "-m", "venv", str(where)], cwd=where.parent)
     return where / "bin" / "python"
@@ -73,10 +83,10 @@ def test_base_modules_import_without_torch(tmp_path: Path) -> None:
     assert int(out.strip()) > 20
 
 
-def test_torch_free_venv_serves_checks_and_drives_an_environment(tmp_path: Path) -> None:
+def test_torch_free_venv_serves_checks_and_drives_an_environment(tmp_path: Path, source_tree: Path) -> None:
     started = time.perf_counter()
     python = _new_venv(tmp_path / "venv")
-    _run([str(python), *PIP, str(REPO)], cwd=tmp_path)
+    _run([str(python), *PIP, str(source_tree)], cwd=tmp_path)
     built_s = time.perf_counter() - started
     probe = _run(
         [str(python), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"], cwd=tmp_path
@@ -108,7 +118,7 @@ def _gym_site_packages() -> Path | None:
 
 
 @pytest.mark.gym
-def test_regression_environments_package_collides_with_nemo_gym(tmp_path: Path) -> None:
+def test_regression_environments_package_collides_with_nemo_gym(tmp_path: Path, source_tree: Path) -> None:
     """Both installed in one venv used to share ``environments/`` files, and ``gymbridge env list``
     crashed (``module 'environments' has no attribute 'list_envs'``)."""
     gym_site = _gym_site_packages()
@@ -126,7 +136,7 @@ def test_regression_environments_package_collides_with_nemo_gym(tmp_path: Path) 
     )
     # nemo-gym 0.7.0 and its pinned dependencies, as installed in the conformance venv
     (purelib / "nemo_gym_venv.pth").write_text(f"{gym_site}\n")
-    _run([str(python), *PIP, str(REPO)], cwd=tmp_path)
+    _run([str(python), *PIP, str(source_tree)], cwd=tmp_path)
     built_s = time.perf_counter() - started
     listing = _run([str(python.with_name("gymbridge")), "env", "list"], cwd=tmp_path)
     assert "circle_click" in listing and "grid_door" in listing
