@@ -2,7 +2,9 @@
 # The one test command: set up (idempotently) and run the whole suite.
 #   bash scripts/test.sh            # lint + types + default tests
 #   bash scripts/test.sh -k media   # extra args go to pytest
-# Creates .venv if missing; reinstalls only when pyproject.toml changed.
+# Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed.
+# pytest includes tests/packaging: it builds a torch-free venv (the base install) and a venv with
+# gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in a temporary folder (~1 min together).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
