@@ -48,6 +48,7 @@ __all__ = [
     "DEFAULT_ENV_PORT",
     "DEFAULT_MODEL_PORT",
     "EXAMPLES_PACKAGE",
+    "add_address_arguments",
     "build_parser",
     "load_example_environments",
     "main",
@@ -149,13 +150,7 @@ def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     p_serve = sub.add_parser("serve", help="serve an environment (NeMo Gym resources server) over HTTP")
     p_serve.add_argument("name", help="environment name (see `gymbridge env list`)")
-    p_serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p_serve.add_argument(
-        "--port",
-        type=port_number,
-        default=DEFAULT_ENV_PORT,
-        help=f"port, 0 for a free one (default {DEFAULT_ENV_PORT}; model serve: {DEFAULT_MODEL_PORT})",
-    )
+    add_address_arguments(p_serve, DEFAULT_ENV_PORT)
     p_serve.add_argument(
         "--instance-name", default=None, help="instance name (session cookie suffix; default: the env name)"
     )
@@ -231,6 +226,18 @@ DEFAULT_ENV_PORT = 8001
 DEFAULT_AGENT_PORT = 8002
 """Default ports of ``model serve``, ``env serve`` and ``agent serve``: distinct, so the three
 servers of one stack start on one machine with no flags."""
+
+
+def add_address_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """``--host`` and ``--port`` of a serving command (``env``, ``model`` and ``agent serve``)."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=default_port,
+        help=f"port, 0 for a free one (default {default_port}; model / env / agent serve default to "
+        f"{DEFAULT_MODEL_PORT} / {DEFAULT_ENV_PORT} / {DEFAULT_AGENT_PORT})",
+    )
 
 
 def port_number(text: str) -> int:

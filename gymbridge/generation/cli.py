@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``model serve``."""
-    from gymbridge.cli import DEFAULT_ENV_PORT, DEFAULT_MODEL_PORT, port_number
+    from gymbridge.cli import DEFAULT_MODEL_PORT, add_address_arguments
 
     p = sub.add_parser("serve", help="serve a generator as a NeMo Gym model server (training mode)")
     which = p.add_mutually_exclusive_group(required=True)
@@ -39,13 +39,7 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     which.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation backend (default hf)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of --tiny (default 0)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument(
-        "--port",
-        type=port_number,
-        default=DEFAULT_MODEL_PORT,
-        help=f"port, 0 for a free one (default {DEFAULT_MODEL_PORT}; env serve: {DEFAULT_ENV_PORT})",
-    )
+    add_address_arguments(p, DEFAULT_MODEL_PORT)
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="max tokens when a request sets none")
     p.add_argument("--max-batch-size", type=int, default=64, help="rows per batched generate call")

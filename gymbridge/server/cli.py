@@ -42,19 +42,13 @@ def _positive_seconds(text: str) -> float:
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's flags, each with help text (shared by ``gymbridge agent serve`` and ``python -m``)."""
-    from gymbridge.cli import DEFAULT_AGENT_PORT, port_number
+    from gymbridge.cli import DEFAULT_AGENT_PORT, add_address_arguments
 
     parser.add_argument(
         "--resources-url", type=_url, required=True, help="base URL of the environment (resources server)"
     )
     parser.add_argument("--model-url", type=_url, required=True, help="base URL of the model server")
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    parser.add_argument(
-        "--port",
-        type=port_number,
-        default=DEFAULT_AGENT_PORT,
-        help=f"port, 0 for a free one (default {DEFAULT_AGENT_PORT})",
-    )
+    add_address_arguments(parser, DEFAULT_AGENT_PORT)
     parser.add_argument(
         "--name", default="simple_agent", help="instance name (session cookie SimpleAgent___<name>)"
     )
