@@ -65,7 +65,7 @@ GYMBRIDGE_PY = REPO / ".venv" / "bin" / "python"
 
 OURS_ENV = """
 import logging, sys
-from environments.counter.server import CounterServer
+from gymbridge_envs.counter.server import CounterServer
 from gymbridge.server import serve
 logging.basicConfig(level=logging.WARNING)
 serve(CounterServer(instance_name="bench_counter"), port=int(sys.argv[1]))

@@ -229,9 +229,9 @@ def measure_boundaries(
 def av_trajectories(modality: str, prompts: int, g: int) -> tuple[list[Trajectory], Any]:
     """``prompts`` x ``g`` rollouts of the environment that carries ``modality`` (bouncing_ball's video,
     beep_count's audio), each rollout loading its prompt's clip separately; returns them and the processor."""
-    from environments.registry import get_env
     from gymbridge.media import load_media
     from gymbridge.testing.tiny_omni import build_tiny_omni
+    from gymbridge_envs.registry import get_env
 
     omni = build_tiny_omni(0)
     tok = omni.tokenizer

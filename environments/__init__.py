@@ -12,12 +12,12 @@ grid_door      image       gymnasium  ``/reset`` + ``/step``, ``<action>up</acti
 =============  ==========  =========  ==============================================
 
 Importing this package is cheap: generators and servers load on first use through
-:func:`get_env` (see :mod:`environments.registry`). Generated rows are in the stock
+:func:`get_env` (see :mod:`gymbridge_envs.registry`). Generated rows are in the stock
 NeMo Gym row shape and every generator is deterministic in ``(seed, index, params)``.
 """
 
 from __future__ import annotations
 
-from environments.registry import ENVIRONMENTS, EnvSpec, get_env, list_envs
+from gymbridge_envs.registry import ENVIRONMENTS, EnvSpec, get_env, list_envs
 
 __all__ = ["ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]

@@ -95,7 +95,7 @@ def oracle_script(env: str, row: dict[str, Any], *, zooms: int = 1) -> list[Any]
         target = next(c for c in row["circles"] if c["color"] == row["target_color"])
         return [_calls("click", x=int(target["x"]), y=int(target["y"])), "Clicked."]
     if env == "zoom_read":
-        from environments.zoom_read.data import target_bbox
+        from gymbridge_envs.zoom_read.data import target_bbox
 
         x0, y0, x1, y1 = target_bbox(row["scene"])
         boxes = [[x0 - 8 * k, y0 - 8 * k, x1 + 8 * k, y1 + 8 * k] for k in range(zooms, 0, -1)]
@@ -109,7 +109,7 @@ def oracle_script(env: str, row: dict[str, Any], *, zooms: int = 1) -> list[Any]
         increments: list[Any] = [_calls("increment_counter", count=k) for k in row["increments"]]
         return [*increments, _calls("get_counter_value"), f"The count is {row['expected_count']}."]
     if env == "grid_door":
-        from environments.grid_door.game import optimal_actions
+        from gymbridge_envs.grid_door.game import optimal_actions
 
         return [f"I move {a}. <action>{a}</action>" for a in optimal_actions(row["grid"])]
     raise ValueError(f"no oracle for environment {env!r}")

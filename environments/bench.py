@@ -1,6 +1,6 @@
 """Measure the example environments: data generation cost and rollout overhead without a model.
 
-Run ``python -m environments.bench [--rows 40] [--rollouts 64] [--concurrency 32]`` from the
+Run ``python -m gymbridge_envs.bench [--rows 40] [--rollouts 64] [--concurrency 32]`` from the
 repository root. For each environment it prints: generation time per row and JSON bytes per
 row; then rollouts through gymbridge's ``SimpleAgent`` with a ``ScriptedModelServer``
 replaying each row's oracle solution (so every reward must be 1.0 and the time is pure
@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import orjson
 
-from environments import list_envs
-from environments._testing import oracle_script, running
 from gymbridge.server import SimpleAgent
 from gymbridge.testing.scripted_model import ScriptedModelServer, call_index
+from gymbridge_envs import list_envs
+from gymbridge_envs._testing import oracle_script, running
 
 
 def _tagged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -38,7 +38,7 @@ def _tagged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 async def _bench_env(
     name: str, rows: list[dict[str, Any]], rollouts: int, concurrency: int
 ) -> dict[str, Any]:
-    from environments import get_env
+    from gymbridge_envs import get_env
 
     spec = get_env(name)
     rows = _tagged(rows)

@@ -8,16 +8,23 @@ and ``server.py`` (a :class:`gymbridge.server.ResourcesServer` subclass).
 Invariants: names are unique and equal the package folder name; generator parameters
 are the keyword-only parameters of ``make_row`` and nothing else (an unknown parameter is
 a :class:`~gymbridge.errors.ConfigError` listing the valid ones, never silently ignored).
+Each parameter is typed by its annotation (ranges as ``Annotated[int, Field(ge=...)]``);
+a value of the wrong type or out of range is a ``ConfigError`` naming the parameter, what it
+takes and what it got (strict: ``"3"`` is not an int, ``True`` is not a number), every
+problem at once. ``gymbridge env list --params`` shows the types and ranges.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import TypeAdapter, ValidationError
 
 from gymbridge.errors import ConfigError
 
@@ -39,7 +46,7 @@ class EnvSpec:
 
     @property
     def package(self) -> str:
-        return f"environments.{self.name}"
+        return f"gymbridge_envs.{self.name}"
 
     def data_module(self) -> ModuleType:
         return importlib.import_module(f"{self.package}.data")
@@ -51,18 +58,47 @@ class EnvSpec:
             p.name: p.default for p in sig.parameters.values() if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
 
-    def check_params(self, params: Mapping[str, Any]) -> None:
+    def param_types(self) -> dict[str, Any]:
+        """Each generator parameter's annotation (``Annotated`` ranges included)."""
+        make_row = self.data_module().make_row
+        hints = typing.get_type_hints(make_row, include_extras=True)
+        return {name: hints.get(name, Any) for name in self.generator_params()}
+
+    def describe_params(self) -> dict[str, str]:
+        """A short ``type, range`` text per parameter (what ``env list --params`` prints)."""
+        out: dict[str, str] = {}
+        for name, hint in self.param_types().items():
+            schema = TypeAdapter(hint).json_schema()
+            out[name] = _describe(schema)
+        return out
+
+    def check_params(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``params`` validated against the generator's typed parameters; every problem in one error."""
         known = self.generator_params()
-        unknown = sorted(set(params) - set(known))
-        if unknown:
-            valid = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
-            raise ConfigError(
-                [f"{self.name}: unknown generator parameter {k!r} (valid: {valid})" for k in unknown],
-                source=f"environments.{self.name}.data",
-            )
+        problems = [
+            f"{self.name}: unknown generator parameter {k!r} (valid: "
+            f"{', '.join(f'{n}={v!r}' for n, v in known.items()) or 'none'})"
+            for k in sorted(set(params) - set(known))
+        ]
+        types = self.param_types()
+        checked: dict[str, Any] = {}
+        for name, value in params.items():
+            if name not in known:
+                continue
+            try:
+                checked[name] = TypeAdapter(types[name]).validate_python(value, strict=True)
+            except ValidationError as exc:
+                wants = _describe(TypeAdapter(types[name]).json_schema())
+                reason = exc.errors()[0]["msg"]
+                problems.append(
+                    f"{self.name}: generator parameter {name} takes {wants}, got {value!r} ({reason})"
+                )
+        if problems:
+            raise ConfigError(problems, source=f"gymbridge_envs.{self.name}.data")
+        return checked
 
     def make_row(self, seed: int, index: int, **params: Any) -> dict[str, Any]:
-        self.check_params(params)
+        params = self.check_params(params)
         row: dict[str, Any] = self.data_module().make_row(seed, index, **params)
         return row
 
@@ -70,7 +106,7 @@ class EnvSpec:
         """``n`` rows in the stock Gym row shape; row ``i`` depends only on ``(seed, i, params)``."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        self.check_params(params)
+        params = self.check_params(params)
         module = self.data_module()
         for index in range(n):
             row: dict[str, Any] = module.make_row(seed, index, **params)
@@ -83,6 +119,23 @@ class EnvSpec:
 
     def make_server(self, **kwargs: Any) -> ResourcesServer:
         return self.server_class()(**kwargs)
+
+
+_BOUNDS = (("minimum", ">="), ("exclusiveMinimum", ">"), ("maximum", "<="), ("exclusiveMaximum", "<"))
+
+
+def _describe(schema: Mapping[str, Any]) -> str:
+    """``int, >= 1, <= 12`` / ``'metadata' | 'part'`` / ``string or null`` for a JSON schema."""
+    if "enum" in schema:
+        return " | ".join(repr(v) for v in schema["enum"])
+    if "const" in schema:
+        return repr(schema["const"])
+    if "anyOf" in schema:
+        return " or ".join(_describe(option) for option in schema["anyOf"])
+    names = {"integer": "int", "number": "float", "string": "str", "boolean": "bool", "null": "None"}
+    text = names.get(str(schema.get("type")), str(schema.get("type", "any")))
+    bounds = [f"{op} {schema[key]}" for key, op in _BOUNDS if key in schema]
+    return ", ".join([text, *bounds])
 
 
 ENVIRONMENTS: dict[str, EnvSpec] = {

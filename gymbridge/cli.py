@@ -5,8 +5,11 @@
     gymbridge env list
     gymbridge env data NAME --n N --seed S --out FILE [--param KEY=VALUE ...]
     gymbridge env serve NAME [--host H] [--port P]
+    gymbridge model serve --tiny | --model PATH [--port P]
+    gymbridge agent serve --resources-url URL --model-url URL [--port P]
+    gymbridge smoke run [--config FILE] [--set KEY=VALUE ...]
 
-Each top-level group (``env``, later ``model``, ...) is one entry of
+Each top-level group (``env``, ``model``, ``agent``, ``smoke``) is one entry of
 :data:`COMMAND_GROUPS`: a help line and the dotted path of a function that adds
 the group's subcommands to an ``argparse`` sub-parser and sets ``func`` on each.
 A group's module is imported only when that group runs (or when ``--help`` lists
@@ -16,15 +19,16 @@ line in the table.
 Invariants: library errors (:class:`~gymbridge.errors.GymbridgeError`) end the
 process with exit code 2 and one readable message on stderr, never a traceback;
 ``main`` returns the exit code instead of calling ``sys.exit`` (testable).
-The example environments live in ``environments/`` at the repository root, not
-in the installed wheel; ``env`` commands find them on ``sys.path`` or beside an
-editable checkout, and say so clearly when neither has them.
+The example environments (the repository's ``environments/`` folder) install as
+``gymbridge_envs``, never as ``environments`` (nemo-gym's package of that name);
+``env`` commands load them with :func:`load_example_environments`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import sys
 import time
@@ -38,7 +42,19 @@ from gymbridge.errors import ConfigError, GymbridgeError
 if TYPE_CHECKING:
     from types import ModuleType
 
-__all__ = ["COMMAND_GROUPS", "build_parser", "main", "run_command"]
+__all__ = [
+    "COMMAND_GROUPS",
+    "DEFAULT_AGENT_PORT",
+    "DEFAULT_ENV_PORT",
+    "DEFAULT_MODEL_PORT",
+    "EXAMPLES_PACKAGE",
+    "add_address_arguments",
+    "build_parser",
+    "load_example_environments",
+    "main",
+    "port_number",
+    "run_command",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +66,10 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
         "model server: serve a generator (tiny, HF or vLLM) over HTTP",
         "gymbridge.generation.cli:add_model_commands",
     ),
+    "agent": (
+        "the simple agent: drive an environment and a model server over HTTP (POST /run)",
+        "gymbridge.server.cli:add_agent_commands",
+    ),
     "smoke": (
         "end-to-end smoke on loopback: env + agent + model + GRPO",
         "gymbridge.trainer.smoke:add_smoke_commands",
@@ -59,24 +79,48 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
 
 
 # ---------------------------------------------------------------- env group
-def _environments() -> ModuleType:
-    """The ``environments`` package (the repository's example environments)."""
+EXAMPLES_PACKAGE = "gymbridge_envs"
+"""The installed name of the example environments (the repository folder ``environments/``).
+
+Not ``environments``: nemo-gym owns that top-level package, and both must install in one venv."""
+
+
+def load_example_environments() -> ModuleType:
+    """The example environments package (:data:`EXAMPLES_PACKAGE`), installed or from a checkout.
+
+    ``pip install gymbridge`` (or ``-e .``) installs the repository's ``environments/`` folder as
+    ``gymbridge_envs``; without an install, the folder beside this checkout is loaded under
+    that name. Anything else is a :class:`~gymbridge.errors.ConfigError` saying how to get it.
+    """
     try:
-        return importlib.import_module("environments")
+        return importlib.import_module(EXAMPLES_PACKAGE)
     except ModuleNotFoundError as exc:
-        if exc.name != "environments":
+        if exc.name != EXAMPLES_PACKAGE:
             raise
-    checkout = Path(__file__).resolve().parent.parent
-    if (checkout / "environments" / "registry.py").is_file():
-        sys.path.insert(0, str(checkout))
-        return importlib.import_module("environments")
+    folder = Path(__file__).resolve().parent.parent / "environments"
+    init = folder / "__init__.py"
+    if (folder / "registry.py").is_file() and init.is_file():
+        spec = importlib.util.spec_from_file_location(
+            EXAMPLES_PACKAGE, init, submodule_search_locations=[str(folder)]
+        )
+        if spec is not None and spec.loader is not None:
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[EXAMPLES_PACKAGE] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[EXAMPLES_PACKAGE]
+                raise
+            return module
     raise ConfigError(
         [
-            "the example environments are not importable: they live in environments/ at the root of the "
-            "gymbridge repository and are not part of the installed wheel; run from a checkout "
-            "(pip install -e . or PYTHONPATH=<checkout>)"
+            f"the example environments ({EXAMPLES_PACKAGE}) are not importable: install gymbridge "
+            "(pip install gymbridge, or pip install -e . in a checkout)"
         ]
     )
+
+
+_environments = load_example_environments
 
 
 def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -106,9 +150,10 @@ def add_env_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
 
     p_serve = sub.add_parser("serve", help="serve an environment (NeMo Gym resources server) over HTTP")
     p_serve.add_argument("name", help="environment name (see `gymbridge env list`)")
-    p_serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p_serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p_serve.add_argument("--instance-name", default=None, help="instance name (session cookie suffix)")
+    add_address_arguments(p_serve, DEFAULT_ENV_PORT)
+    p_serve.add_argument(
+        "--instance-name", default=None, help="instance name (session cookie suffix; default: the env name)"
+    )
     p_serve.set_defaults(func=_cmd_env_serve)
 
 
@@ -118,8 +163,9 @@ def _cmd_env_list(args: argparse.Namespace) -> int:
     for spec in envs.list_envs():
         print(f"{spec.name:<{width}}  {spec.style:<9}  {','.join(spec.modalities):<6}  {spec.summary}")
         if args.params:
+            described = spec.describe_params()
             for key, default in spec.generator_params().items():
-                print(f"{'':<{width}}    --param {key}={default!r}")
+                print(f"{'':<{width}}    --param {key}={default!r}  ({described[key]})")
     return 0
 
 
@@ -127,8 +173,11 @@ def _cmd_env_data(args: argparse.Namespace) -> int:
     if args.n < 0:
         raise ConfigError([f"--n must be >= 0, got {args.n}"])
     spec = _environments().get_env(args.name)
-    params = dict(args.param)
-    spec.check_params(params)
+    if args.out.is_dir():
+        raise ConfigError(
+            [f"--out {args.out} is a directory: give a file path such as {args.out}/rows.jsonl"]
+        )
+    params = spec.check_params(dict(args.param))
     started = time.perf_counter()
 
     def rows() -> Iterator[dict[str, Any]]:
@@ -143,12 +192,14 @@ def _cmd_env_data(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    from environments._common import write_jsonl
+    write_jsonl = importlib.import_module(f"{EXAMPLES_PACKAGE}._common").write_jsonl
 
     try:
         count = write_jsonl(rows(), args.out)
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"{spec.name} generator: {exc}"], source="--param") from exc
+    except OSError as exc:  # a parent that is a file, no permission, a full disk
+        raise ConfigError([f"--out {args.out}: cannot write it: {exc.strerror or exc}"]) from exc
     size_mib = args.out.stat().st_size / 2**20
     elapsed = time.perf_counter() - started
     summary = f"wrote {count} {spec.name} rows to {args.out} ({size_mib:.2f} MiB, {elapsed:.2f} s)"
@@ -161,9 +212,43 @@ def _cmd_env_serve(args: argparse.Namespace) -> int:
     from gymbridge.server import serve
 
     server = spec.make_server(instance_name=args.instance_name)
-    print(f"serving {spec.name} on http://{args.host}:{args.port} (Ctrl-C to stop)", file=sys.stderr)
-    serve(server, host=args.host, port=args.port)
+
+    def announce(url: str) -> None:
+        print(f"serving {spec.name} on {url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+
+    serve(server, host=args.host, port=args.port, announce=announce)
     return 0
+
+
+# ------------------------------------------------------------ shared types
+DEFAULT_MODEL_PORT = 8000
+DEFAULT_ENV_PORT = 8001
+DEFAULT_AGENT_PORT = 8002
+"""Default ports of ``model serve``, ``env serve`` and ``agent serve``: distinct, so the three
+servers of one stack start on one machine with no flags."""
+
+
+def add_address_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """``--host`` and ``--port`` of a serving command (``env``, ``model`` and ``agent serve``)."""
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=default_port,
+        help=f"port, 0 for a free one (default {default_port}; model / env / agent serve default to "
+        f"{DEFAULT_MODEL_PORT} / {DEFAULT_ENV_PORT} / {DEFAULT_AGENT_PORT})",
+    )
+
+
+def port_number(text: str) -> int:
+    """argparse type of every ``--port``: an int in 0..65535 (0 picks a free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {port} is out of range: give 0..65535 (0 picks a free one)")
+    return port
 
 
 # -------------------------------------------------------------------- parser

@@ -29,6 +29,8 @@ exceptions (``TypeError``, ``ValueError``).
     │   ├── EnvTimeoutError    the deadline passed
     │   └── CheckEnvError      ``check_env`` found conformance problems
     │                          (``problems`` lists every one)
+    ├── ServeError             a server cannot listen: port out of range, in use,
+    │                          or not permitted (``host``, ``port``)
     ├── BridgeError            the bridge cannot go on
     │   ├── BridgeStalledError too many consecutive failed groups, or none
     │   │                      completed (``failures``: the latest records)
@@ -74,6 +76,7 @@ __all__ = [
     "PolicyDriftError",
     "ProtocolError",
     "ReplayCheckpointError",
+    "ServeError",
     "TrainingError",
     "TrajectoryError",
     "WeightSyncError",
@@ -199,6 +202,18 @@ class CheckEnvError(EnvError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"check_env({server}): {len(self.problems)} problem(s):\n{lines}", server=server)
+
+
+class ServeError(GymbridgeError):
+    """A server cannot start listening: its port is out of range, in use, or not permitted.
+
+    Raised before the server announces itself; ``host`` / ``port`` name the address when known.
+    """
+
+    def __init__(self, message: str, *, host: str | None = None, port: int | None = None) -> None:
+        super().__init__(message)
+        self.host = host
+        self.port = port
 
 
 class BridgeError(GymbridgeError):

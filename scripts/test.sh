@@ -2,37 +2,47 @@
 # The one test command: set up (idempotently) and run the whole suite.
 #   bash scripts/test.sh            # lint + types + default tests
 #   bash scripts/test.sh -k media   # extra args go to pytest
-# Creates .venv if missing; reinstalls only when pyproject.toml changed.
+# Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed.
+# pytest includes tests/packaging: it builds a torch-free venv (the base install) and a venv with
+# gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in a temporary folder (~1 min together).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
 STAMP="$VENV/.gymbridge-install-stamp"
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "== creating $VENV"
     "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "== installing gymbridge[dev,ray] (torch pinned to the local CPU wheel where no GPU torch is present)"
+    echo "== installing gymbridge[dev,ray,train]"
     t0=$(date +%s)
-    torch_pin="torch==2.13.0"  # CPU machines: the local CPU wheel (an unpinned torch pulls a CUDA build)
-    if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-        torch_pin=""  # a GPU torch is already there: keep it
+    # torch: an installed torch of any build (CPU, CUDA, ROCm) is kept; a GPU machine lets pip pick
+    # a CUDA build in the project's range; elsewhere the CPU wheel is pinned (an unpinned torch
+    # from PyPI is the CUDA build). GYMBRIDGE_TORCH_INDEX_URL installs torch from that index first
+    # (e.g. https://download.pytorch.org/whl/cpu off this machine).
+    torch_pin="torch==2.13.0"
+    if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+        torch_pin=""
+        echo "   keeping the installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+    elif [ -n "${GYMBRIDGE_TORCH_INDEX_URL:-}" ]; then
+        "$VENV/bin/pip" install -q --disable-pip-version-check "torch>=2.4,<3" --index-url "$GYMBRIDGE_TORCH_INDEX_URL"
+        torch_pin=""
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        torch_pin=""  # a GPU machine: let pip pick a CUDA torch within the project's range
+        torch_pin=""
     fi
     log="$VENV/.gymbridge-install.log"
     set +e
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray]" $torch_pin >"$log" 2>&1
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray,train]" $torch_pin >"$log" 2>&1
     rc=$?
     set -e
     grep -v "is ignored: it is neither a file nor a directory" "$log" || true
     if [ $rc -ne 0 ]; then echo "!! pip install failed (exit $rc); nothing was stamped"; exit $rc; fi
-    "$VENV/bin/python" -c "import gymbridge, torch, transformers" # fail here, not in pytest, if install broke
+    "$VENV/bin/python" -c "import gymbridge, gymbridge_envs, torch, transformers" # fail here, not in pytest
     echo "$want" > "$STAMP"
     echo "== installed in $(( $(date +%s) - t0 )) s"
 fi

@@ -8,6 +8,7 @@ on a machine without CUDA is skipped with a reason instead of failing.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
@@ -69,3 +70,36 @@ def tiny_omni_gen() -> HFGenerator:
     from gymbridge.generation.hf import HFGenerator
 
     return HFGenerator.tiny_omni(0)
+
+
+def _gym_wheel_data() -> tuple[Path | None, str]:
+    """Where the genuine nemo-gym 0.7.0 data files are: the conformance venv's site-packages.
+
+    ``GYMBRIDGE_NEMO_GYM_SRC`` (an unpacked wheel or a checkout) wins when set. Returns the
+    folder, or ``None`` and the reason it is missing.
+    """
+    explicit = os.environ.get("GYMBRIDGE_NEMO_GYM_SRC")
+    if explicit:
+        path = Path(explicit)
+        return (path, "") if path.is_dir() else (None, f"GYMBRIDGE_NEMO_GYM_SRC={explicit} is not a folder")
+    venv = Path(os.environ.get("GYM_VENV", Path(__file__).resolve().parents[1] / ".venv-gym"))
+    found = sorted(venv.glob("lib/python3*/site-packages/resources_servers"))
+    if found:
+        return found[0].parent, ""
+    return None, f"genuine nemo-gym 0.7.0 data not found: {venv} has no site-packages/resources_servers " + (
+        "(run `bash scripts/setup_gym_venv.sh`)"
+    )
+
+
+@pytest.fixture(scope="session")
+def gym_wheel_data() -> Path:
+    """The genuine nemo-gym 0.7.0 wheel's files (``resources_servers/``, ``environments/``, ...).
+
+    Skips with the reason when absent; under ``GYMBRIDGE_REQUIRE_GYM=1`` (CI) that is a failure.
+    """
+    path, reason = _gym_wheel_data()
+    if path is None:
+        if os.environ.get("GYMBRIDGE_REQUIRE_GYM") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return path

@@ -23,7 +23,7 @@ def test_config_validates(path: Path) -> None:
     assert cfg.steps >= 1 and cfg.group_size >= 1
     if cfg.min_group_size is not None:
         assert cfg.min_group_size <= cfg.group_size
-    from environments import get_env
+    from gymbridge_envs import get_env
 
     spec = get_env(cfg.env)
     spec.check_params(cfg.env_params)  # every generator parameter exists

@@ -19,13 +19,14 @@ import base64
 import io
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import soundfile as sf
+from pydantic import Field
 
-from environments._common import row_rng
 from gymbridge.media import encode_data_url
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "beep_count"
 
@@ -37,7 +38,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.beep_count.server import BeepCountServer
+    from gymbridge_envs.beep_count.server import BeepCountServer
 
     return BeepCountServer.function_tools()
 
@@ -98,12 +99,12 @@ def make_row(
     seed: int,
     index: int,
     *,
-    min_beeps: int = 1,
-    max_beeps: int = 6,
-    duration_s: float = 3.0,
-    beep_s: float = 0.12,
-    min_gap_s: float = 0.15,
-    sample_rate: int = 16000,
+    min_beeps: Annotated[int, Field(ge=0)] = 1,
+    max_beeps: Annotated[int, Field(ge=0)] = 6,
+    duration_s: Annotated[float, Field(gt=0, le=600)] = 3.0,
+    beep_s: Annotated[float, Field(gt=0)] = 0.12,
+    min_gap_s: Annotated[float, Field(ge=0)] = 0.15,
+    sample_rate: Annotated[int, Field(ge=1000, le=192000)] = 16000,
     audio_via: Literal["metadata", "part"] = "metadata",
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""

@@ -20,13 +20,14 @@ import io
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import av
 import numpy as np
+from pydantic import Field
 
-from environments._common import row_rng
 from gymbridge.media import encode_data_url
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "bouncing_ball"
 
@@ -38,7 +39,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.bouncing_ball.server import BouncingBallServer
+    from gymbridge_envs.bouncing_ball.server import BouncingBallServer
 
     return BouncingBallServer.function_tools()
 
@@ -134,11 +135,11 @@ def make_row(
     seed: int,
     index: int,
     *,
-    size: int = 64,
-    fps: int = 8,
-    duration_s: float = 3.0,
-    radius: int = 4,
-    max_bounces: int = 8,
+    size: Annotated[int, Field(ge=16, le=1024)] = 64,
+    fps: Annotated[int, Field(ge=1, le=60)] = 8,
+    duration_s: Annotated[float, Field(gt=0, le=60)] = 3.0,
+    radius: Annotated[int, Field(ge=1)] = 4,
+    max_bounces: Annotated[int, Field(ge=0)] = 8,
     video_dir: str | None = None,
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""

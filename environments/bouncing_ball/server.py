@@ -10,9 +10,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import count_reward, parse_int_answer
-from environments._server_common import parse_task
 from gymbridge.server import ResourcesServer, Session, VerifyResult, tool
+from gymbridge_envs._common import count_reward, parse_int_answer
+from gymbridge_envs._server_common import parse_task
 
 __all__ = ["BouncingBallServer"]
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from PIL import Image, ImageDraw
+from pydantic import Field
 
-from environments._common import png_data_url, row_rng
 from gymbridge.server import image_part
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "circle_click"
 
@@ -44,7 +45,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.circle_click.server import CircleClickServer
+    from gymbridge_envs.circle_click.server import CircleClickServer
 
     return CircleClickServer.function_tools()
 
@@ -81,11 +82,11 @@ def make_row(
     seed: int,
     index: int,
     *,
-    img_size: int = 320,
-    radius_min: int = 18,
-    radius_max: int = 36,
-    min_circles: int = 3,
-    max_circles: int = 5,
+    img_size: Annotated[int, Field(ge=32, le=4096)] = 320,
+    radius_min: Annotated[int, Field(ge=1)] = 18,
+    radius_max: Annotated[int, Field(ge=1)] = 36,
+    min_circles: Annotated[int, Field(ge=1)] = 3,
+    max_circles: Annotated[int, Field(ge=1)] = 5,
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""
     if not 1 <= min_circles <= max_circles <= len(COLORS):

@@ -12,10 +12,10 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import first_call_arguments
-from environments._server_common import parse_task
-from environments.circle_click.data import click_reward, parse_click
 from gymbridge.server import ResourcesServer, Session, VerifyResult, tool
+from gymbridge_envs._common import first_call_arguments
+from gymbridge_envs._server_common import parse_task
+from gymbridge_envs.circle_click.data import click_reward, parse_click
 
 __all__ = ["CircleClickServer"]
 

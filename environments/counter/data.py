@@ -12,9 +12,11 @@ Invariant: ``expected_count == initial_count + sum(increments)``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
-from environments._common import row_rng
+from pydantic import Field
+
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "counter"
 
@@ -26,13 +28,19 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.counter.server import CounterServer
+    from gymbridge_envs.counter.server import CounterServer
 
     return CounterServer.function_tools()
 
 
 def make_row(
-    seed: int, index: int, *, min_ops: int = 1, max_ops: int = 3, max_initial: int = 10, max_step: int = 9
+    seed: int,
+    index: int,
+    *,
+    min_ops: Annotated[int, Field(ge=1)] = 1,
+    max_ops: Annotated[int, Field(ge=1)] = 3,
+    max_initial: Annotated[int, Field(ge=0)] = 10,
+    max_step: Annotated[int, Field(ge=1)] = 9,
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""
     rng = row_rng(ENV_NAME, seed, index)

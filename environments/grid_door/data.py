@@ -13,10 +13,12 @@ sum of both BFS distances); ``max_steps >= optimal_steps``.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Annotated, Any
 
-from environments._common import row_rng
-from environments.grid_door.game import Cell, shortest_path
+from pydantic import Field
+
+from gymbridge_envs._common import row_rng
+from gymbridge_envs.grid_door.game import Cell, shortest_path
 
 ENV_NAME = "grid_door"
 
@@ -29,7 +31,12 @@ SYSTEM_PROMPT = (
 
 
 def make_row(
-    seed: int, index: int, *, size: int = 5, max_walls: int = 4, step_slack: int = 6
+    seed: int,
+    index: int,
+    *,
+    size: Annotated[int, Field(ge=3, le=32)] = 5,
+    max_walls: Annotated[int, Field(ge=0)] = 4,
+    step_slack: Annotated[int, Field(ge=0)] = 6,
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""
     if size < 3:

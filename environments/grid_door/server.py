@@ -23,9 +23,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import assistant_text, png_bytes
-from environments._server_common import parse_task, require_state
-from environments.grid_door.game import GameOver, GridState, parse_action
 from gymbridge.server import (
     HttpError,
     Observation,
@@ -35,6 +32,9 @@ from gymbridge.server import (
     VerifyResult,
     image_part,
 )
+from gymbridge_envs._common import assistant_text, png_bytes
+from gymbridge_envs._server_common import parse_task, require_state
+from gymbridge_envs.grid_door.game import GameOver, GridState, parse_action
 
 __all__ = ["GridDoorServer", "replay_turns", "split_turns"]
 

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from environments import get_env
-from environments._testing import oracle_script, running
 from gymbridge.server import SimpleAgent
 from gymbridge.testing.scripted_model import ScriptedModelServer
 from gymbridge.trajectory import Trajectory, from_gym_result
+from gymbridge_envs import get_env
+from gymbridge_envs._testing import oracle_script, running
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from environments import ENVIRONMENTS, get_env
-from environments._testing import running
+from gymbridge_envs import ENVIRONMENTS, get_env
+from gymbridge_envs._testing import running
 
 JSON = st.recursive(
     st.none()

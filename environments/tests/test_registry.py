@@ -8,11 +8,11 @@ from typing import Any
 import orjson
 import pytest
 
-from environments import ENVIRONMENTS, get_env, list_envs
 from gymbridge.errors import ConfigError
 from gymbridge.media import MediaItem
 from gymbridge.protocol import parse_run_request
 from gymbridge.server import ResourcesServer
+from gymbridge_envs import ENVIRONMENTS, get_env, list_envs
 
 NAMES = sorted(ENVIRONMENTS)
 ROOT = Path(__file__).resolve().parents[1]

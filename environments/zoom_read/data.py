@@ -16,12 +16,13 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from PIL import Image, ImageDraw, ImageFont
+from pydantic import Field
 
-from environments._common import png_data_url, row_rng
 from gymbridge.server import image_part
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "zoom_read"
 TARGET_COLOR = (220, 30, 30)
@@ -36,7 +37,7 @@ SYSTEM_PROMPT = (
 
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
-    from environments.zoom_read.server import ZoomReadServer
+    from gymbridge_envs.zoom_read.server import ZoomReadServer
 
     return ZoomReadServer.function_tools()
 
@@ -164,12 +165,12 @@ def make_row(
     seed: int,
     index: int,
     *,
-    canvas_size: int = 1024,
-    thumb_size: int = 256,
-    zoom_size: int = 256,
-    num_digits: int = 4,
-    num_distractors: int = 8,
-    font_size: int = 11,
+    canvas_size: Annotated[int, Field(ge=64, le=8192)] = 1024,
+    thumb_size: Annotated[int, Field(ge=16, le=4096)] = 256,
+    zoom_size: Annotated[int, Field(ge=16, le=4096)] = 256,
+    num_digits: Annotated[int, Field(ge=1, le=12)] = 4,
+    num_distractors: Annotated[int, Field(ge=0)] = 8,
+    font_size: Annotated[int, Field(ge=4, le=256)] = 11,
 ) -> dict[str, Any]:
     """Row ``index`` of the dataset generated with ``seed``."""
     rng = row_rng(ENV_NAME, seed, index)

@@ -25,10 +25,10 @@ import orjson
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from environments._common import first_call_arguments, png_bytes
-from environments._server_common import parse_task, require_state
-from environments.zoom_read.data import answer_reward, clamp_bbox, crop, render
 from gymbridge.server import HttpError, ResourcesServer, Session, ToolOutput, VerifyResult, image_part, tool
+from gymbridge_envs._common import first_call_arguments, png_bytes
+from gymbridge_envs._server_common import parse_task, require_state
+from gymbridge_envs.zoom_read.data import answer_reward, clamp_bbox, crop, render
 
 __all__ = ["ZoomReadServer"]
 

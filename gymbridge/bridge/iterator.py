@@ -208,6 +208,7 @@ class BridgeIterator:
         dedup: bool = True,
         advantage: AdvantageMode = "group_norm",
         on_noncontiguous: Literal["error", "split"] = "error",
+        reward_components_check: Literal["sum", "off"] = "off",
         media_policy: MediaPolicy | None = None,
         failures_path: str | Path | None = None,
         drop_last: bool = False,
@@ -239,6 +240,7 @@ class BridgeIterator:
         self.dedup = dedup
         self.advantage: AdvantageMode = advantage
         self.on_noncontiguous: Literal["error", "split"] = on_noncontiguous
+        self.reward_components_check: Literal["sum", "off"] = reward_components_check
         self.media_policy = media_policy
         self.failures_path = Path(failures_path) if failures_path is not None else None
         self.drop_last = drop_last
@@ -311,7 +313,10 @@ class BridgeIterator:
             )
         try:
             traj = from_gym_result(
-                rec.result, media_policy=self.media_policy, on_noncontiguous=self.on_noncontiguous
+                rec.result,
+                media_policy=self.media_policy,
+                on_noncontiguous=self.on_noncontiguous,
+                reward_components_check=self.reward_components_check,
             )
         except Exception as exc:  # any failure to read one result is that rollout's, not the batch's
             where = (

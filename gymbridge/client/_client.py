@@ -272,8 +272,12 @@ class GymClient:
                 status=last_status,
             )
 
-        if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
-            return outcome(kind="data", reason="row is not an object with a 'responses_create_params' object")
+        rcp = row.get("responses_create_params", {}) if isinstance(row, dict) else None
+        if not isinstance(rcp, dict):
+            # absent is fine (aviary-style agents fill it in); present must be an object
+            return outcome(
+                kind="data", reason="row is not an object, or its 'responses_create_params' is not one"
+            )
         if json_too_deep(row):
             return outcome(
                 kind="data", reason=f"row nests arrays/objects deeper than {MAX_JSON_DEPTH} levels"

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ProtocolError
-from gymbridge.protocol import media_ref_of_part, media_refs_of_tool_output
+from gymbridge.protocol import media_ref_of_part, media_refs_of_tool_output, metadata_audio_refs
 
 if TYPE_CHECKING:
     from gymbridge.media import MediaItem, MediaPolicy
@@ -268,8 +268,9 @@ def responses_to_messages(
     Consecutive assistant-side items (``reasoning``, assistant ``message``,
     ``function_call``) merge into one assistant message, as one model call produced
     them; the token fields of the latest such item become its ``prefix_token_ids``.
-    ``metadata.audio_data`` (stock Gym's audio side channel) is attached to the
-    first user message, before its text.
+    The audio of ``metadata`` (stock Gym's side channel: ``audio_data``, ``audio_path`` or
+    ``audio_paths``, :func:`gymbridge.protocol.metadata_audio_refs`) is attached to the first
+    user message, before its text; a path is read only under the policy's allowed local roots.
     """
     items: list[Any]
     if isinstance(input_items, str):
@@ -336,13 +337,13 @@ def responses_to_messages(
         prefix = _token_prefix(item, where)
         if prefix is not None:
             assistant().prefix_token_ids = prefix
-    audio = (metadata or {}).get("audio_data")
-    if isinstance(audio, str) and audio:
+    audio_refs = metadata_audio_refs(metadata or {})
+    if audio_refs:
         first_user = next((m for m in out if m.role == "user"), None)
         if first_user is None:
             first_user = ChatMessage(role="user")
             out.append(first_user)
-        first_user.parts.insert(0, _load(audio, "audio", policy))
+        first_user.parts[0:0] = [_load(source, "audio", policy) for source, _ in audio_refs]
     return out
 
 

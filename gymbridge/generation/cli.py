@@ -15,28 +15,30 @@ launcher does in its own process.
 ``argparse`` sub-parser (the CLI's dispatch table points at it);
 ``python -m gymbridge.generation.cli serve ...`` runs the same command stand-alone.
 The process serves until SIGINT / SIGTERM and prints one ``serving on URL`` line
-to stdout once the port is bound (launchers and tests wait for it).
+to stdout once the port is bound (launchers and tests wait for it). A bad ``--model``
+path (missing, a file, an empty or non-model directory) and a port that is out of range
+or taken are refused before the model loads: one ``error:`` line, exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_model_commands", "build_generator", "main", "weight_sink_for"]
+__all__ = ["add_model_commands", "build_generator", "check_model_dir", "main", "weight_sink_for"]
 
 logger = logging.getLogger(__name__)
 
 
 def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``model serve``."""
+    from gymbridge.cli import DEFAULT_MODEL_PORT, add_address_arguments
+
     p = sub.add_parser("serve", help="serve a generator as a NeMo Gym model server (training mode)")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--tiny", action="store_true", help="the tiny offline random-weight Qwen2-VL")
@@ -48,8 +50,7 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     which.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory")
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation backend (default hf)")
     p.add_argument("--seed", type=int, default=0, help="weight seed of --tiny / --tiny-omni (default 0)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port, 0 for a free one (default 8000)")
+    add_address_arguments(p, DEFAULT_MODEL_PORT)
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="max tokens when a request sets none")
     p.add_argument("--max-batch-size", type=int, default=64, help="rows per batched generate call")
@@ -69,6 +70,31 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--allowed-local-root", action="append", default=[], help="media: allowed file:// root")
     p.add_argument("--allowed-http-host", action="append", default=[], help="media: allowed http(s) host")
     p.set_defaults(func=_cmd_serve)
+
+
+def check_model_dir(path: str) -> Path:
+    """``--model PATH`` as a directory that holds a model, else :class:`~gymbridge.errors.ConfigError`.
+
+    Checked before anything is loaded: a missing path, a file, or a directory without a
+    ``config.json`` each get one line saying what was found.
+    """
+    from gymbridge.errors import ConfigError
+
+    model = Path(path).expanduser()
+    if not model.exists():
+        raise ConfigError(
+            [f"--model {path}: no such file or directory (give a local Hugging Face model directory)"]
+        )
+    if not model.is_dir():
+        raise ConfigError(
+            [f"--model {path}: is a file, not a model directory (the folder holding config.json)"]
+        )
+    if not (model / "config.json").is_file():
+        found = "is empty" if not any(model.iterdir()) else "has no config.json"
+        raise ConfigError(
+            [f"--model {path}: the directory {found}; it is not a Hugging Face model directory"]
+        )
+    return model
 
 
 def build_generator(args: argparse.Namespace) -> Any:
@@ -110,6 +136,12 @@ def weight_sink_for(generator: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    from gymbridge.server._base import probe_port, serve_until_stopped
+
+    if args.model is not None:
+        check_model_dir(args.model)
+    probe_port(args.host, args.port)  # a taken port fails now, before torch and the model load
+
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.media import MediaPolicy
 
@@ -134,17 +166,11 @@ async def _serve(args: argparse.Namespace) -> None:
 
         served = PromptSeededGenerator(generator, args.prompt_seed)
     server = ModelServer(served, config=config, media_policy=policy, weight_sink=sink)
-    url = await server.start(args.host, args.port)
-    print(f"serving on {url} (OpenAI base URL {url}/v1)", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
+
+    def announce() -> None:
+        print(f"serving on {server.url} (OpenAI base URL {server.url}/v1)", flush=True)
+
+    await serve_until_stopped(lambda: server.start(args.host, args.port), server.stop, announce)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

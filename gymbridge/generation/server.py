@@ -271,10 +271,17 @@ class ModelServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0 = a free port); return the base URL (without ``/v1``)."""
+        from gymbridge.server._base import bind_error, check_port
+
+        check_port(port)
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, host, port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise bind_error(host, port, exc) from exc
         self._runner = runner
         addresses = runner.addresses
         bound = int(addresses[0][1]) if addresses else port

@@ -1,4 +1,7 @@
-"""Payload metrics: bytes crossing each named boundary (DESIGN §5); see :mod:`.payload`."""
+"""Payload metrics: bytes crossing each named boundary (docs/design.md, "Payload boundaries").
+
+See :mod:`.payload`.
+"""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ in-band stream and every out-of-band buffer (what Ray / multiprocessing actually
 ship), and walks ``obj`` for media ``PackedTensor`` s to report physical bytes
 (unique segments), logical bytes (every reference), and segment / reference counts.
 
-``PayloadMeter`` accumulates those stats per named boundary (DESIGN §5:
+``PayloadMeter`` accumulates those stats per named boundary (docs/design.md, "Payload boundaries":
 ``gym_request``, ``gym_return``, ``prompt_repeat``, ``rollout_to_policy``,
 ``replay_push``, ``replay_sample``, ``policy_shard``, ``generation``), with per-shard
 totals and maxima. It is **off by default** (measuring costs one serialisation per
@@ -44,7 +44,7 @@ BOUNDARIES: tuple[str, ...] = (
     "policy_shard",
     "generation",
 )
-"""The named boundaries of DESIGN §5."""
+"""The named boundaries (docs/design.md, "Payload boundaries")."""
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ from gymbridge.protocol._media_refs import (
     media_ref_of_part,
     media_refs_of_content,
     media_refs_of_tool_output,
+    metadata_audio_refs,
 )
 from gymbridge.protocol._responses import (
     FunctionTool,
@@ -160,6 +161,7 @@ __all__ = [
     "media_ref_of_part",
     "media_refs_of_content",
     "media_refs_of_tool_output",
+    "metadata_audio_refs",
     "parse",
     "parse_aggregate_metrics",
     "parse_aggregate_metrics_request",

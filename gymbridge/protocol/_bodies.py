@@ -59,9 +59,13 @@ class AgentRef(WireModel):
 
 
 class RunRequest(WireModel):
-    """A dataset row / the body of ``POST <agent>/run``: ``responses_create_params`` + any extra keys."""
+    """A dataset row / the body of ``POST <agent>/run``: ``responses_create_params`` + any extra keys.
 
-    responses_create_params: ResponsesCreateParams
+    ``responses_create_params`` may be absent: agents that build the prompt themselves
+    (aviary, toolsandbox, verifiers) take rows such as ``{"task_idx": 0}`` and fill it in.
+    """
+
+    responses_create_params: ResponsesCreateParams | None = None
     agent_ref: AgentRef | None = None
     task_index: int | None = Field(default=None, alias="_ng_task_index")
     rollout_index: int | None = Field(default=None, alias="_ng_rollout_index")

@@ -10,10 +10,22 @@ every part.
 
 Invariants:
 
-* only parts of these types carry media: ``input_image`` / ``input_audio`` /
-  ``input_video`` (Responses API, plus gymbridge's audio part) and their
+* parts of these types carry media: ``input_image`` / ``input_audio`` /
+  ``input_video`` (Responses API, plus gymbridge's audio part), their
   chat-completions spellings ``image_url`` / ``audio_url`` / ``video_url`` (agents
-  built on chat models inject them verbatim); text and unknown parts carry none;
+  built on chat models inject them verbatim) and the bare ``image`` / ``audio`` /
+  ``video`` spellings (``{"type": "image", "image": url}``, as Hugging Face chat
+  templates and some agents write them); text parts carry none;
+* a part of any other type that still carries media (a media key such as ``image_url``,
+  or a ``data:`` URL of an image/audio/video MIME type in any string value) raises
+  :class:`~gymbridge.errors.ProtocolError` naming the type and the key: read as media or
+  refused, never dropped; other unknown parts carry none;
+* ``metadata.audio_data`` (a data URI, or a list of them), ``metadata.audio_path`` (one
+  absolute file path) and ``metadata.audio_paths`` (a list of them) are NeMo Gym's audio
+  side channel (genuine ``vllm_model``), mutually exclusive; :func:`metadata_audio_refs`
+  returns them as audio references, in order. A path is read later under the media policy's
+  allowed local roots (refused there otherwise); a relative path is refused here, since
+  gymbridge has no audio root to resolve it against;
 * a plain string ``content`` is text, never media; a ``function_call_output.output``
   string is media only when it is a ``data:`` URL whose MIME type is ``image/*``,
   ``audio/*`` or ``video/*`` (a file path, an http URL or JSON text such as
@@ -39,6 +51,7 @@ __all__ = [
     "media_ref_of_part",
     "media_refs_of_content",
     "media_refs_of_tool_output",
+    "metadata_audio_refs",
 ]
 
 Modality = Literal["image", "audio", "video"]
@@ -58,7 +71,18 @@ _MEDIA_PART_KEYS: dict[str, tuple[Modality, tuple[str, ...]]] = {
     "video_url": ("video", ("video_url",)),
     "input_audio": ("audio", ("audio_url", "audio", "input_audio")),
     "audio_url": ("audio", ("audio_url",)),
+    "image": ("image", ("image", "image_url", "url")),
+    "audio": ("audio", ("audio", "audio_url", "url")),
+    "video": ("video", ("video", "video_url", "url")),
 }
+#: Keys that hold media in some part spelling: an unknown part type carrying one is refused.
+_MEDIA_KEYS: frozenset[str] = frozenset(
+    key for _, keys in _MEDIA_PART_KEYS.values() for key in keys if key != "url"
+)
+#: Part types known to carry no media (their string values are text, never references).
+_TEXT_PART_TYPES: frozenset[str] = frozenset(
+    {"input_text", "output_text", "text", "refusal", "summary_text", "reasoning_text"}
+)
 
 
 def inline_audio_url(data: str, audio_format: str) -> str:
@@ -117,6 +141,7 @@ def media_ref_of_part(part: Mapping[str, object]) -> MediaRef | None:
         return None
     spec = _MEDIA_PART_KEYS.get(part_type)
     if spec is None:
+        _refuse_hidden_media(part, part_type)
         return None
     modality, keys = spec
     for key in keys:
@@ -129,6 +154,61 @@ def media_ref_of_part(part: Mapping[str, object]) -> MediaRef | None:
             "send the media inline (data URL) or as a file:// / http(s) URL"
         )
     raise ProtocolError(f"{part_type} part has none of {', '.join(keys)}")
+
+
+def _refuse_hidden_media(part: Mapping[str, object], part_type: str) -> None:
+    """An unknown part type that carries media is an error, so its media are never dropped."""
+    if part_type in _TEXT_PART_TYPES:
+        return
+    for key, value in part.items():
+        if key in _MEDIA_KEYS and value is not None:
+            raise ProtocolError(
+                f"content part type {part_type!r} is not a known media part but carries media under "
+                f"{key!r}; use input_image / input_audio / input_video"
+            )
+        if isinstance(value, str) and data_url_modality(value) is not None:
+            raise ProtocolError(
+                f"content part type {part_type!r} is not a known media part but its {key!r} holds a "
+                f"{data_url_modality(value)} data URL; use input_image / input_audio / input_video"
+            )
+
+
+def metadata_audio_refs(metadata: Mapping[str, object]) -> list[MediaRef]:
+    """Audio references of ``responses_create_params.metadata``, in order (see the module invariants).
+
+    Raises :class:`ProtocolError` for more than one of the three keys, a value of the wrong
+    shape, an empty entry or a relative path.
+    """
+    present = [key for key in ("audio_data", "audio_path", "audio_paths") if metadata.get(key)]
+    if len(present) > 1:
+        raise ProtocolError(
+            f"metadata audio keys are mutually exclusive, got {present}: set one of audio_data, "
+            "audio_path, audio_paths"
+        )
+    if not present:
+        return []
+    key = present[0]
+    value = metadata[key]
+    if key == "audio_path":
+        values: list[object] = [value]
+    elif isinstance(value, list):
+        values = list(value)
+    elif key == "audio_data":
+        values = [value]
+    else:
+        raise ProtocolError(f"metadata.audio_paths must be a list of paths, got {type(value).__name__}")
+    refs: list[MediaRef] = []
+    for position, entry in enumerate(values):
+        where = f"metadata.{key}" + (f"[{position}]" if key != "audio_path" else "")
+        if not isinstance(entry, str) or not entry.strip():
+            raise ProtocolError(f"{where} must be a non-empty string, got {entry!r}")
+        if key != "audio_data" and not entry.startswith(("/", "file://")):
+            raise ProtocolError(
+                f"{where} = {entry!r} is a relative path: give an absolute path under one of the media "
+                "policy's allowed local roots (gymbridge has no audio_root to resolve it against)"
+            )
+        refs.append((entry, "audio"))
+    return refs
 
 
 def media_refs_of_content(content: object) -> Iterator[MediaRef]:

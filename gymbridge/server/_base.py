@@ -35,12 +35,15 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import gc
 import hashlib
 import hmac
 import logging
 import re
 import secrets
+import signal
 import socket
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -50,12 +53,13 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gymbridge.errors import EnvSessionLostError, ProtocolError
+from gymbridge.errors import EnvSessionLostError, ProtocolError, ServeError
 from gymbridge.limits import loads_json
 
 __all__ = [
     "ERROR_HEADER",
     "MAX_BODY_BYTES",
+    "MAX_PORT",
     "RESERVED_TOOL_NAMES",
     "SESSION_LOST",
     "GymServer",
@@ -63,14 +67,21 @@ __all__ = [
     "RequestContext",
     "RunningServer",
     "Session",
+    "bind_error",
+    "check_port",
     "free_port",
     "json_response",
+    "probe_port",
     "serve",
+    "serve_until_stopped",
     "start_server",
     "tune_gc_for_serving",
 ]
 
 logger = logging.getLogger(__name__)
+
+MAX_PORT = 65535
+"""The largest TCP port number."""
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """Request body cap: verify payloads carry every turn's images as data URLs."""
@@ -438,10 +449,57 @@ class RunningServer:
         await self.stop()
 
 
+def check_port(port: int) -> int:
+    """``port`` when it is a TCP port number (0 = any free port), else :class:`ServeError`."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise ServeError(f"port {port!r} is out of range: give 0..{MAX_PORT} (0 picks a free port)")
+    return port
+
+
+def bind_error(host: str, port: int, exc: OSError) -> ServeError:
+    """The :class:`ServeError` for a failed bind of ``host:port``: one line saying why."""
+    if exc.errno == errno.EADDRINUSE:
+        reason = "the address is already in use (another server is listening there; pick another --port)"
+    elif exc.errno == errno.EACCES:
+        reason = "permission denied (ports below 1024 need privileges)"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        reason = "the address is not available on this machine (check --host)"
+    else:
+        reason = exc.strerror or str(exc)
+    return ServeError(f"cannot listen on {host}:{port}: {reason}", host=host, port=port)
+
+
+def probe_port(host: str, port: int) -> None:
+    """Fail fast, before any slow set-up, when ``host:port`` cannot be bound now (:class:`ServeError`).
+
+    Racy by nature (the real bind decides); it only lets a CLI refuse a taken port before it
+    loads a model. Port 0 always passes.
+    """
+    check_port(port)
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc}", host=host, port=port) from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            raise bind_error(host, port, exc) from exc
+
+
 async def start_server(
     server: GymServer | web.Application, host: str = "127.0.0.1", port: int = 0
 ) -> RunningServer:
-    """Start ``server`` in this loop on ``host:port`` (``port=0``: a free port) and return its URL."""
+    """Start ``server`` in this loop on ``host:port`` (``port=0``: a free port) and return its URL.
+
+    Raises :class:`ServeError` (one line: the address and why) when the port is out of range or
+    cannot be bound; nothing is left running then.
+    """
+    check_port(port)
     app = server.make_app() if isinstance(server, GymServer) else server
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, shutdown_timeout=1.0, handler_cancellation=True
@@ -450,11 +508,36 @@ async def start_server(
     site = web.TCPSite(runner, host, port, backlog=1024, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:
         await runner.cleanup()
-        raise
+        raise bind_error(host, port, exc) from exc
     bound_port = int(runner.addresses[0][1])
     return RunningServer(url=f"http://{host}:{bound_port}", host=host, port=bound_port, _runner=runner)
+
+
+async def serve_until_stopped(
+    start: Callable[[], Awaitable[Any]],
+    stop: Callable[[], Awaitable[None]],
+    announce: Callable[[], None] | None = None,
+) -> None:
+    """Run ``start()`` (which binds), then ``announce()``, then wait for SIGINT / SIGTERM; then ``stop()``.
+
+    The one serving loop of every CLI server (environment, agent, model): nothing is announced
+    before the port is bound, and a failed bind (:class:`ServeError`) propagates with nothing
+    printed.
+    """
+    await start()
+    try:
+        if announce is not None:
+            announce()
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stopped.set)
+        await stopped.wait()
+    finally:
+        await stop()
 
 
 SERVER_GC_GEN0_THRESHOLD = 20_000
@@ -477,22 +560,40 @@ def tune_gc_for_serving() -> None:
     gc.set_threshold(max(gen0, SERVER_GC_GEN0_THRESHOLD), gen1, gen2)
 
 
-def serve(server: GymServer, host: str = "127.0.0.1", port: int = 8000, *, tune_gc: bool = True) -> None:
-    """Serve ``server`` until interrupted (blocking; for CLIs and ``python -m``).
+def serve(
+    server: GymServer,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    tune_gc: bool = True,
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``server`` until SIGINT / SIGTERM (blocking; for CLIs and ``python -m``).
+
+    The port is bound first; only then is ``announce(url)`` called (a CLI prints its
+    ``serving ... on URL`` line there) and the start logged. A port that is out of range or
+    cannot be bound raises :class:`ServeError` before anything is announced.
 
     ``tune_gc`` (default on): this process is a server, so :func:`tune_gc_for_serving`
     applies (``serve`` owns the process; :func:`start_server`, which runs inside a
     caller's loop, never touches the GC).
     """
-    logger.info("serving %s on http://%s:%d", server.cookie_name, host, port)
-    if tune_gc:
-        tune_gc_for_serving()
-    web.run_app(
-        server.make_app(),
-        host=host,
-        port=port,
-        print=None,
-        access_log=None,
-        backlog=1024,
-        handler_cancellation=True,
-    )
+    check_port(port)
+    running: list[RunningServer] = []
+
+    async def start() -> None:
+        running.append(await start_server(server, host, port))
+
+    async def stop() -> None:
+        for each in running:
+            await each.stop()
+
+    def on_bound() -> None:
+        url = running[0].url
+        logger.info("serving %s on %s", server.cookie_name, url)
+        if tune_gc:
+            tune_gc_for_serving()
+        if announce is not None:
+            announce(url)
+
+    asyncio.run(serve_until_stopped(start, stop, on_bound))

@@ -1,7 +1,7 @@
 """Deduplicated tensors: ``PackedTensor`` (CSR rows of shared segments), ``TrainBatch``, ``MediaProcessor``.
 
 Media of a GRPO group exist once from G-expansion to the DP shards; see
-``DESIGN.md`` §4 and each module's docstring for the invariants.
+``docs/design.md`` ("Deduplicated tensors") and each module's docstring for the invariants.
 """
 
 from __future__ import annotations

@@ -12,9 +12,12 @@ turn gives several rows sharing its reward and advantage). Per-row fields
   (trajectory index at build time), ``segment_ids`` int64 ``[B]``; ``sample_mask``
   bool ``[B]`` (False for ``mask_sample`` trajectories: kept as rows, loss mask 0,
   advantage 0, excluded from their group's statistics: nothing silently dropped);
-* ``metadata``: one dict per row (``media_content_keys``: the row's media content keys by
-  modality, in order; :meth:`TrainBatch.media_content_keys` / :meth:`TrainBatch.media_keys`
-  summarise a batch's media per modality); ``media``: output key -> ``PackedTensor`` with
+* ``metadata``: one dict per row (the trajectory's metadata; ``media_content_keys``: the row's
+  media content keys by modality, in order — :meth:`TrainBatch.media_content_keys` /
+  :meth:`TrainBatch.media_keys` summarise a batch's media per modality; ``reward_components``
+  when it has any; and ``routed_experts``, int32 ``[L_row, layers, topk]`` aligned with the
+  row's unpadded tokens, ``-1`` where not carried, when the result carried MoE routes for
+  router replay); ``media``: output key -> ``PackedTensor`` with
   exactly ``B`` rows (row ``r`` holds row ``r``'s media in order of appearance;
   rows without media are empty rows).
 
@@ -208,16 +211,20 @@ class TrainBatch:
                 lp_rows.append(torch.tensor(traj.logprobs(seg), dtype=torch.float32))
                 row_traj.append(ti)
                 row_seg.append(seg)
-                metadata.append(
-                    {
-                        "task_index": traj.task_index,
-                        "rollout_index": traj.rollout_index,
-                        "truncated": traj.truncated,
-                        "failure_class": traj.failure_class,
-                        **traj.metadata,
-                        "media_content_keys": _content_keys_by_modality(row_media),
-                    }
-                )
+                row_meta: dict[str, Any] = {
+                    "task_index": traj.task_index,
+                    "rollout_index": traj.rollout_index,
+                    "truncated": traj.truncated,
+                    "failure_class": traj.failure_class,
+                    **traj.metadata,
+                    "media_content_keys": _content_keys_by_modality(row_media),
+                }
+                if traj.reward_components:
+                    row_meta["reward_components"] = dict(traj.reward_components)
+                routes = traj.routed_experts(seg)
+                if routes is not None:
+                    row_meta["routed_experts"] = torch.tensor(routes, dtype=torch.int32)
+                metadata.append(row_meta)
                 media_rows.append(row_media)
 
         if pad_token_id is None:

@@ -16,7 +16,9 @@ Invariants (checked by the constructor):
 * provenance ids are unique within one ``PackedTensor`` (so after ``cat``,
   ``select``, ``shard`` every provenance appears once);
 * every segment has the same dtype and number of dimensions, and
-  ``0 <= pack_dim < ndim``; ``offsets``/``refs`` always live on the CPU (they are
+  ``0 <= pack_dim < ndim`` once there is a segment (a negative ``pack_dim`` counts from
+  the end, as in torch, and is stored normalised; an empty one keeps it as given until
+  ``cat`` meets a segment); ``offsets``/``refs`` always live on the CPU (they are
   index metadata; segments may live on any device);
 * **shared segments are read-only by contract**: no operation here writes into a
   segment, and callers must not either (one segment backs many rows; an in-place
@@ -146,6 +148,15 @@ def _gather(
     return new_offsets, refs[positions]
 
 
+def _normalise_dim(dim: int, ndim: int) -> int:
+    """``dim`` in ``[0, ndim)``; a negative one counts from the end (torch's rule)."""
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"pack_dim {dim} out of range for {ndim}-dim segments (expected {-ndim}..{ndim - 1})"
+        )
+    return dim + ndim if dim < 0 else dim
+
+
 class PackedTensor:
     """Ragged rows of shared tensor segments (CSR). See the module docstring for the invariants.
 
@@ -184,17 +195,14 @@ class PackedTensor:
             raise ValueError(f"offsets end at {int(offsets[-1])} but there are {refs.numel()} refs")
         if refs.numel() and (int(refs.min()) < 0 or int(refs.max()) >= len(segs)):
             raise ValueError(f"refs out of range for {len(segs)} segments")
-        if self._pack_dim < 0:
-            raise ValueError(f"pack_dim must be >= 0, got {self._pack_dim}")
         if segs:
+            self._pack_dim = _normalise_dim(self._pack_dim, segs[0].dim())
             dtype, ndim = segs[0].dtype, segs[0].dim()
             for i, s in enumerate(segs):
                 if s.dtype != dtype or s.dim() != ndim:
                     raise ValueError(
                         f"segment {i} is {s.dtype} with {s.dim()} dims; segment 0 is {dtype} with {ndim} dims"
                     )
-            if self._pack_dim >= ndim:
-                raise ValueError(f"pack_dim {self._pack_dim} out of range for {ndim}-dim segments")
 
     # ------------------------------------------------------------------ build
     @classmethod
@@ -415,7 +423,8 @@ class PackedTensor:
         """Rows of ``values`` one after another; segments re-interned by provenance (equal ids merge)."""
         if not values:
             raise ValueError("PackedTensor.cat needs at least one value")
-        pack_dim = values[0].pack_dim
+        ndim = next((v.segments[0].dim() for v in values if v.segments), None)
+        pack_dim = values[0].pack_dim if ndim is None else _normalise_dim(values[0].pack_dim, ndim)
         segments: list[torch.Tensor] = []
         provs: list[str] = []
         by_prov: dict[str, int] = {}
@@ -423,7 +432,7 @@ class PackedTensor:
         offsets_parts: list[torch.Tensor] = [torch.zeros(1, dtype=torch.int64)]
         base = 0
         for v in values:
-            if v.pack_dim != pack_dim:
+            if (v.pack_dim if ndim is None else _normalise_dim(v.pack_dim, ndim)) != pack_dim:
                 raise ValueError(f"cannot cat pack_dim {v.pack_dim} with pack_dim {pack_dim}")
             mapping: list[int] = []
             for seg, pid in zip(v.segments, v.provenance, strict=True):

@@ -102,7 +102,8 @@ __all__ = [
 class GRPOConfig(StrictModel):
     """Trainer settings (YAML: the ``trainer:`` section of a launcher config)."""
 
-    lr: float = 1e-5
+    lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
+    """AdamW learning rate: a finite number in (0, 1]."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     clip_eps_low: float = 0.2

@@ -62,7 +62,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import importlib
 import logging
 import sys
 import time
@@ -72,9 +71,10 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import orjson
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from gymbridge.bridge.shaping import ShapingConfig
+from gymbridge.cli import load_example_environments
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.safe_io import write_atomic
@@ -82,8 +82,6 @@ from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 from gymbridge.trainer.placement import GeneratorConfig
 
 if TYPE_CHECKING:
-    from types import ModuleType
-
     from gymbridge.trainer.rundir import RunDir
 
 logger = logging.getLogger(__name__)
@@ -151,12 +149,30 @@ class SmokeConfig(StrictModel):
     """> 0: write a run checkpoint every N steps and after the last one (``--resume`` continues
     from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward_components_check: Literal["sum", "off"] = "off"
+    """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
+
+    @field_validator("run_dir")
+    @classmethod
+    def _run_dir_is_not_a_file(cls, value: str | None) -> str | None:
+        if value is not None and Path(value).exists() and not Path(value).is_dir():
+            raise ValueError(f"{value} is a file, not a folder: give a new or existing directory")
+        return value
+
+    @model_validator(mode="after")
+    def _group_sizes(self) -> SmokeConfig:
+        # checked here, when the config loads: before any server starts
+        if self.min_group_size is not None and self.min_group_size > self.group_size:
+            raise ValueError(
+                f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size})"
+            )
+        return self
 
 
 @dataclass
@@ -183,21 +199,6 @@ class SmokeResult:
     elapsed_s: float = 0.0
     model_server_pid: int | None = None
     """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
-
-
-def _environments() -> ModuleType:
-    try:
-        return importlib.import_module("environments")
-    except ModuleNotFoundError as exc:
-        if exc.name != "environments":
-            raise
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "environments" / "registry.py").is_file():
-        sys.path.insert(0, str(checkout))
-        return importlib.import_module("environments")
-    raise ConfigError(
-        ["the example environments are not importable: run from a gymbridge checkout (pip install -e .)"]
-    )
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
 
     started = time.perf_counter()
     result = SmokeResult(run_dir=str(run.path))
-    spec = _environments().get_env(cfg.env)
+    spec = load_example_environments().get_env(cfg.env)
     dataset = run.dataset_path
     if resume and dataset.is_file():
         n_rows = sum(1 for line in dataset.read_bytes().splitlines() if line.strip())
@@ -470,6 +471,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             min_group_size=cfg.min_group_size,
             max_consecutive_failed_groups=cfg.max_consecutive_failed_groups,
             dedup=cfg.dedup,
+            reward_components_check=cfg.reward_components_check,
             failures_path=run.failures_path,
             meter=meter,
             replay=replay,

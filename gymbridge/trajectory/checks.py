@@ -1,6 +1,6 @@
 """Media-vs-placeholder check: a turn's media must match the placeholders in its prompt delta.
 
-DESIGN §3 makes this the trajectory layer's check: a turn that carries images but
+docs/design.md ("Trajectories") makes this the trajectory layer's check: a turn that carries images but
 whose tokens hold no image placeholders (or the other way round) is an error, not a
 silent attach. It needs the model's placeholder token ids, which the walk does not
 know, so it is a separate function (also reachable through

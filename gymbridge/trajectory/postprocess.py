@@ -1,7 +1,7 @@
 """Gym ``/run`` result -> :class:`~gymbridge.trajectory.Trajectory`, in one walk.
 
 ``from_gym_result`` reads a verify result (row echo + ``response`` + ``reward``) and
-returns the per-turn trainable segments of DESIGN §3.
+returns its per-turn trainable segments (docs/design.md, "Trajectories").
 
 Invariants (each enforced here, each failure a ``TrajectoryError`` naming the
 output item when there is one):
@@ -11,8 +11,15 @@ output item when there is one):
   context. An empty generation (``[]``) is not a turn;
 * token fields come all three or none; ``len(generation_log_probs) ==
   len(generation_token_ids)``; token ids are non-negative ints; logprobs and the
-  reward are finite; ``reward_components`` (when present) sum to ``reward``
-  within 1e-6;
+  reward are finite; ``reward_components`` are finite and kept as given; under
+  ``reward_components_check="sum"`` they must also sum to ``reward`` within 1e-6
+  (Gym's contract only makes ``reward`` the aggregate: vibench's is the mean, so the
+  default ``"off"`` never refuses a genuine result for it);
+* ``routed_experts`` (MoE router replay; ``[tokens][layers][topk]`` ints, or NeMo Gym's
+  ``nrlre1`` base64 envelope) become ``Turn.routed_experts``, one row per token of the
+  turn's prompt delta + generation: sliced like the token fields when they cover the whole
+  prompt + generation, padded with ``-1`` rows on the prompt delta when they cover only the
+  generation; any other length is an error, never a silent drop;
 * **token bookkeeping**: ``prompt_delta = prompt_token_ids[len(seen):]`` after
   checking that the prompt starts with ``seen``; then ``seen += prompt_delta +
   generation``. A prompt that does not extend ``seen`` is an error under
@@ -34,9 +41,10 @@ output item when there is one):
 
 Genuine 0.7.0 shapes handled here: a transitions-form ``output`` (one item list per agent
 step, ``return_transitions`` agents) is walked as one conversation, each step's new items
-once (:func:`_flatten_transitions`); a result whose images were moved to
-``response.media_assets`` (the compaction agent's transport projection) is refused, since
-its turns cannot get their images back.
+once (:func:`_flatten_transitions`). ``response.media_assets`` (the compaction agent) lists
+every history image once: the full response (``skip_verification``) also keeps each one in
+its items and trains; the transport projection strips them from ``output`` and is refused,
+naming how many images are missing (:func:`_check_media_assets`).
 
 Media that arrive after the last turn belong to no model call; they are counted in
 ``Trajectory.metadata["trailing_media"]`` rather than dropped without a trace, and
@@ -46,26 +54,38 @@ generation) in ``metadata["trailing_assistant_items"]``.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import math
 from array import array
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, cast
 
+import numpy as np
 import orjson
 from pydantic import BaseModel
 
 from gymbridge.errors import MediaError, ProtocolError, TrajectoryError
 from gymbridge.media import MediaItem, MediaPolicy
-from gymbridge.protocol import MediaRef, media_refs_of_content, media_refs_of_tool_output
+from gymbridge.protocol import (
+    MediaRef,
+    media_ref_of_part,
+    media_refs_of_content,
+    media_refs_of_tool_output,
+    metadata_audio_refs,
+)
 from gymbridge.trajectory.checks import check_media_placeholders
 from gymbridge.trajectory.types import Trajectory, Turn, TurnKind
 
-__all__ = ["OnNoncontiguous", "from_gym_result"]
+__all__ = ["MISSING_ROUTE", "OnNoncontiguous", "RewardComponentsCheck", "from_gym_result"]
 
 logger = logging.getLogger(__name__)
 
 OnNoncontiguous = Literal["error", "split"]
+RewardComponentsCheck = Literal["sum", "off"]
+MISSING_ROUTE = -1
+"""The expert id of a ``routed_experts`` row the result did not carry (NeMo Gym's sentinel)."""
 
 REWARD_SUM_TOLERANCE = 1e-6
 """Absolute tolerance for ``sum(reward_components) == reward``."""
@@ -107,12 +127,19 @@ def _as_mapping(result: object) -> Mapping[str, Any]:
 class _Tokens:
     """The validated token fields of one item."""
 
-    __slots__ = ("generation", "logprobs", "prompt")
+    __slots__ = ("generation", "logprobs", "prompt", "routes")
 
-    def __init__(self, prompt: list[int], generation: list[int], logprobs: list[float]) -> None:
+    def __init__(
+        self,
+        prompt: list[int],
+        generation: list[int],
+        logprobs: list[float],
+        routes: list[list[list[int]]] | None = None,
+    ) -> None:
         self.prompt = prompt
         self.generation = generation
         self.logprobs = logprobs
+        self.routes = routes
 
 
 def _check_token_ids(value: list[Any], name: str, index: int) -> None:
@@ -171,7 +198,79 @@ def _token_fields(item: Mapping[str, Any], index: int) -> _Tokens | None:
             f"generation_log_probs has {len(logprobs)} values for {len(generation)} generated tokens",
             item_index=index,
         )
-    return _Tokens(prompt, generation, logprobs)
+    raw_routes = item.get("routed_experts")
+    routes = _routed_experts(raw_routes, index) if raw_routes is not None else None
+    return _Tokens(prompt, generation, logprobs, routes)
+
+
+_ROUTE_DTYPES = {"int8": "<i1", "int16": "<i2", "int32": "<i4"}
+
+
+def _routed_experts(value: object, index: int) -> list[list[list[int]]]:
+    """``routed_experts`` as ``[tokens][layers][topk]`` ints (nested lists, or the ``nrlre1`` envelope)."""
+    if isinstance(value, str):
+        return _decode_route_envelope(value, index)
+
+    def bad(what: str) -> TrajectoryError:
+        return TrajectoryError(f"routed_experts{what}", item_index=index)
+
+    if not isinstance(value, list) or not value:
+        raise bad(" must be a non-empty [tokens][layers][topk] list")
+    shape: tuple[int, int] | None = None
+    for position, row in enumerate(value):
+        if not isinstance(row, list) or not row or not all(isinstance(layer, list) for layer in row):
+            raise bad(f"[{position}] is not a [layers][topk] list")
+        row_shape = (len(row), len(row[0]))
+        shape = row_shape if shape is None else shape
+        if row_shape != shape or any(len(layer) != shape[1] for layer in row):
+            raise bad(f"[{position}] has another [layers][topk] shape than row 0 {shape}")
+        for layer in row:
+            if not all(isinstance(e, int) and not isinstance(e, bool) for e in layer):
+                raise bad(f"[{position}] holds a non-integer expert id")
+    return value
+
+
+def _decode_route_envelope(text: str, index: int) -> list[list[list[int]]]:
+    """NeMo Gym's ``nrlre1:<dtype>:<T>x<L>x<K>:<base64 little-endian ints>`` envelope."""
+    parts = text.split(":", 3)
+    dims = parts[2].split("x") if len(parts) == 4 else []
+    if len(parts) != 4 or parts[0] != "nrlre1" or parts[1] not in _ROUTE_DTYPES or len(dims) != 3:
+        raise TrajectoryError(
+            "routed_experts string is not an nrlre1:<int8|int16|int32>:TxLxK:<base64> envelope: "
+            f"{text[:40]!r}",
+            item_index=index,
+        )
+    try:
+        tokens, layers, topk = (int(d) for d in dims)
+        raw = base64.b64decode(parts[3], validate=True)
+    except (ValueError, binascii.Error) as exc:
+        raise TrajectoryError(f"routed_experts envelope is malformed: {exc}", item_index=index) from exc
+    dtype = np.dtype(_ROUTE_DTYPES[parts[1]])
+    if min(tokens, layers, topk) <= 0 or len(raw) != tokens * layers * topk * dtype.itemsize:
+        raise TrajectoryError(
+            f"routed_experts envelope holds {len(raw)} bytes, not {tokens}x{layers}x{topk} {parts[1]} values",
+            item_index=index,
+        )
+    decoded: list[list[list[int]]] = np.frombuffer(raw, dtype=dtype).reshape(tokens, layers, topk).tolist()
+    return decoded
+
+
+def _turn_routes(tokens: _Tokens, delta_len: int, index: int) -> list[list[list[int]]] | None:
+    """The routes of one turn, one row per token of its prompt delta + generation."""
+    routes = tokens.routes
+    if routes is None:
+        return None
+    n_prompt, n_gen = len(tokens.prompt), len(tokens.generation)
+    if len(routes) == n_prompt + n_gen:
+        return routes[n_prompt - delta_len :]
+    if len(routes) == n_gen:
+        missing = [[MISSING_ROUTE] * len(routes[0][0]) for _ in routes[0]]
+        return [[list(layer) for layer in missing] for _ in range(delta_len)] + routes
+    raise TrajectoryError(
+        f"routed_experts has {len(routes)} token rows; expected {n_prompt + n_gen} (prompt + generation) or "
+        f"{n_gen} (generation only)",
+        item_index=index,
+    )
 
 
 def _is_trainable(tokens: _Tokens | None) -> bool:
@@ -293,6 +392,7 @@ class _Walk:
             media = self.pending_media
             self.seen.extend(delta)
         self.seen.extend(tokens.generation)
+        routes = _turn_routes(tokens, len(delta), index)
         self.turns.append(
             Turn(
                 index=len(self.turns),
@@ -308,6 +408,7 @@ class _Walk:
                 invalid_tool_call=self.invalid_tool_call,
                 malformed_thinking=self.malformed_thinking,
                 policy_version=_policy_version(item, index),
+                routed_experts=routes,
             )
         )
         self.pending_media = []
@@ -390,14 +491,11 @@ def _seed(
             raise TrajectoryError(f"{name} must be a string or a list of items, got {type(items).__name__}")
     metadata = params.get("metadata")
     if isinstance(metadata, Mapping):
-        audio = metadata.get("audio_data")
-        audio_refs = [audio] if isinstance(audio, str) else audio if isinstance(audio, list) else []
-        refs: list[MediaRef] = []
-        for position, ref in enumerate(audio_refs):
-            if not isinstance(ref, str) or not ref:
-                raise TrajectoryError(f"responses_create_params.metadata.audio_data[{position}] is not a URI")
-            refs.append((ref, "audio"))
-        walk.add_refs(refs, None, "responses_create_params.metadata.audio_data")
+        try:
+            audio_refs = metadata_audio_refs(metadata)
+        except ProtocolError as exc:
+            raise TrajectoryError(f"responses_create_params.metadata: {exc}") from exc
+        walk.add_refs(audio_refs, None, "responses_create_params.metadata")
     candidates: list[object] = [seed_obs]
     if transitions and isinstance(initial, list):
         # a transition is the agent's whole input: it starts with the initial input itself
@@ -464,6 +562,7 @@ def from_gym_result(
     media_policy: MediaPolicy | None = None,
     on_noncontiguous: OnNoncontiguous = "error",
     placeholder_token_ids: Mapping[str, int] | None = None,
+    reward_components_check: RewardComponentsCheck = "off",
 ) -> Trajectory:
     """Turn one Gym ``/run`` result into a :class:`Trajectory` of per-turn trainable segments.
 
@@ -474,6 +573,8 @@ def from_gym_result(
     ``placeholder_token_ids`` (modality -> placeholder token id), when given, also checks
     that every turn's media match the placeholders in its prompt delta
     (:func:`~gymbridge.trajectory.check_media_placeholders`).
+    ``reward_components_check="sum"`` also requires ``reward_components`` to sum to
+    ``reward``; the default ``"off"`` keeps them as given (``Trajectory.reward_components``).
 
     A transitions-form ``output`` (one item list per agent step, ``contains_transitions``)
     is walked as one conversation; item indices then count over that conversation and
@@ -484,6 +585,8 @@ def from_gym_result(
     """
     if on_noncontiguous not in ("error", "split"):
         raise ValueError(f"on_noncontiguous must be 'error' or 'split', not {on_noncontiguous!r}")
+    if reward_components_check not in ("sum", "off"):
+        raise ValueError(f"reward_components_check must be 'sum' or 'off', not {reward_components_check!r}")
     data = _as_mapping(result)
     response = data.get("response")
     if not isinstance(response, Mapping):
@@ -492,7 +595,6 @@ def from_gym_result(
     if not isinstance(raw_output, list):
         raise TrajectoryError("response.output is missing or not a list")
     output, origin = _flatten_transitions(raw_output)
-    _refuse_detached_media(response)
 
     walk = _Walk(media_policy, on_noncontiguous)
     skip_echo = _seed(walk, data, response, output, transitions=origin is not None)
@@ -507,26 +609,41 @@ def from_gym_result(
         raise located from exc.__cause__
     if not walk.turns:
         raise TrajectoryError(_no_turn_reason(walk, len(output)))
-    trajectory = _finish(walk, data, response)
+    _check_media_assets(response, walk)
+    trajectory = _finish(walk, data, response, reward_components_check)
     if placeholder_token_ids is not None:
         check_media_placeholders(trajectory, placeholder_token_ids)
     return trajectory
 
 
-def _refuse_detached_media(response: Mapping[str, Any]) -> None:
-    """Refuse a result whose images were moved out of ``output`` (nothing silently lost).
+def _check_media_assets(response: Mapping[str, Any], walk: _Walk) -> None:
+    """Refuse a result whose ``media_assets`` images are not in its items (nothing silently lost).
 
-    0.7.0's ``simple_agent_with_compaction`` returns a transport projection: image parts are
-    stripped from ``response.output`` and kept once each in ``response.media_assets``, with no
-    per-item link the walk could follow. Training it would pair image placeholders in the
-    prompt tokens with no images.
+    0.7.0's ``simple_agent_with_compaction`` lists every history image once in
+    ``response.media_assets`` (``{media_id: {"source_part": <image part>, ...}}``). Its full
+    response (``skip_verification``) keeps each image in its items too, so the walk placed it
+    on a turn: trainable. Its transport projection strips image parts from ``response.output``:
+    training it would pair image placeholders in the prompt tokens with no images.
     """
     assets = response.get("media_assets")
-    if isinstance(assets, Mapping) and assets:
+    if not isinstance(assets, Mapping) or not assets:
+        return
+    walked = {m.source for m in walk.all_media}
+    missing = 0
+    for asset in assets.values():
+        part = asset.get("source_part") if isinstance(asset, Mapping) else None
+        try:
+            ref = media_ref_of_part(part) if isinstance(part, Mapping) else None
+        except ProtocolError:
+            ref = None
+        if ref is None or ref[0] not in walked:
+            missing += 1
+    if missing:
         raise TrajectoryError(
-            f"response.media_assets holds {len(assets)} media item(s) that the agent "
-            "(simple_agent_with_compaction's transport projection) removed from response.output; they "
-            "cannot be placed per turn, so the turns would train image placeholders without images"
+            f"response.media_assets holds {len(assets)} media item(s), {missing} of them missing from the "
+            "conversation (simple_agent_with_compaction's transport projection strips images from "
+            "response.output); they cannot be placed per turn, so the turns would train image "
+            "placeholders without images"
         )
 
 
@@ -574,7 +691,9 @@ def _no_turn_reason(walk: _Walk, n_items: int) -> str:
     )
 
 
-def _finish(walk: _Walk, data: Mapping[str, Any], response: Mapping[str, Any]) -> Trajectory:
+def _finish(
+    walk: _Walk, data: Mapping[str, Any], response: Mapping[str, Any], components_check: RewardComponentsCheck
+) -> Trajectory:
     if "reward" not in data:
         raise TrajectoryError("the result has no 'reward'")
     reward = _finite_number(data["reward"], "reward")
@@ -587,12 +706,16 @@ def _finish(walk: _Walk, data: Mapping[str, Any], response: Mapping[str, Any]) -
             str(name): _finite_number(value, f"reward_components[{name!r}]")
             for name, value in components_raw.items()
         }
-        if components and not math.isclose(
-            math.fsum(components.values()), reward, rel_tol=0.0, abs_tol=REWARD_SUM_TOLERANCE
+        if (
+            components_check == "sum"
+            and components
+            and not math.isclose(
+                math.fsum(components.values()), reward, rel_tol=0.0, abs_tol=REWARD_SUM_TOLERANCE
+            )
         ):
             raise TrajectoryError(
                 f"reward_components sum to {math.fsum(components.values())!r} but reward is {reward!r} "
-                f"(tolerance {REWARD_SUM_TOLERANCE})"
+                f"(tolerance {REWARD_SUM_TOLERANCE}; reward_components_check='sum')"
             )
     mask_sample = data.get("mask_sample", False)
     if mask_sample is None:

@@ -19,7 +19,11 @@ Invariants (checked where a ``Trajectory`` is built, see ``from_gym_result``):
   turn owns the initial media), in order of appearance; the first turn of a later
   segment owns every media item of the conversation so far, because its prompt is
   the whole conversation re-rendered (placeholders for all of them);
-* ``reward`` is finite; ``reward_components``, when non-empty, sum to ``reward``;
+* ``turn.routed_experts``, when present, has one ``[layers][topk]`` row per token of
+  ``prompt_token_ids + generation_token_ids`` (``-1`` where the result carried none);
+* ``reward`` is finite; ``reward_components`` are the environment's components as given
+  (they sum to ``reward`` only when ``from_gym_result(..., reward_components_check="sum")``
+  checked it: Gym makes ``reward`` the aggregate, not necessarily the sum);
 * ``turn.policy_version`` is the policy version that produced the turn (the item's
   ``policy_version`` field; ``None`` when the server did not say). A multi-turn episode
   can straddle a weight update, so its turns may carry different versions.
@@ -64,6 +68,9 @@ class Turn:
     """Think tags leaked into an answer message."""
     policy_version: int | None = None
     """The policy version that generated this turn (``None``: the server did not report one)."""
+    routed_experts: list[list[list[int]]] | None = None
+    """MoE router replay: ``[len(prompt_token_ids) + len(generation_token_ids)][layers][topk]``
+    expert ids (``-1``: not carried), or ``None`` when the result carried none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +130,25 @@ class Trajectory:
         for t in self.segment_turns(segment):
             out.extend([0.0] * len(t.prompt_token_ids))
             out.extend(t.generation_logprobs)
+        return out
+
+    def routed_experts(self, segment: int = 0) -> list[list[list[int]]] | None:
+        """``[L][layers][topk]`` routes aligned with :meth:`token_ids`, ``None`` when no turn has any.
+
+        A turn without routes (in a segment where others have them) gets ``-1`` rows.
+        """
+        turns = self.segment_turns(segment)
+        shaped = next((t.routed_experts for t in turns if t.routed_experts), None)
+        if shaped is None:
+            return None
+        blank = [[-1] * len(shaped[0][0]) for _ in shaped[0]]
+        out: list[list[list[int]]] = []
+        for t in turns:
+            if t.routed_experts is not None:
+                out.extend(t.routed_experts)
+            else:
+                n = len(t.prompt_token_ids) + len(t.generation_token_ids)
+                out.extend([[list(layer) for layer in blank] for _ in range(n)])
         return out
 
     def media(self, segment: int = 0) -> list[MediaItem]:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 
 def _rows(n: int) -> list[dict[str, object]]:
-    from environments import get_env
+    from gymbridge_envs import get_env
 
     rows = get_env("circle_click").generate(n, 3, img_size=112, radius_min=8, radius_max=14)
     return [
@@ -23,7 +23,7 @@ def _rows(n: int) -> list[dict[str, object]]:
 
 
 async def test_native_groups_carry_indices_and_share_one_image(processor: MediaProcessor) -> None:
-    from environments import get_env
+    from gymbridge_envs import get_env
 
     gen = HFGenerator.tiny(0)
     async with await start_server(get_env("circle_click").make_server()) as env:

@@ -90,8 +90,18 @@ async def test_row_is_sent_unchanged() -> None:
 async def test_malformed_row_is_data_without_a_call() -> None:
     script = Script((200, ok_result(ROW)))
     async with client_for(script) as client:
-        outcome = await client.run({"input": "no params"})
+        outcome = await client.run({"responses_create_params": "not an object"})
     assert (outcome.kind, outcome.attempts, script.calls) == ("data", 0, 0)
+
+
+async def test_regression_rows_without_responses_create_params_are_run_bodies() -> None:
+    """aviary-style rows ({"task_idx": N}; the agent builds the prompt) were refused before any call."""
+    row = {"task_idx": 3, "agent_ref": {"type": "responses_api_agents", "name": "aviary_agent"}}
+    script = Script((200, ok_result(row)))
+    async with client_for(script) as client:
+        outcome = await client.run(row)
+    assert outcome.ok, outcome.reason
+    assert script.bodies == [row]
 
 
 def test_outcome_is_success_xor_failure() -> None:
@@ -287,7 +297,7 @@ async def test_property_failure_mix_every_row_exactly_one_correct_outcome(
     behaviours: list[str], concurrency: int
 ) -> None:
     """Any mix of successes, retried faults, data faults, transport faults and hangs: one outcome per row,
-    classified per DESIGN §6, with retries bounded by ``max_attempts``."""
+    classified per docs/design.md ("Reliability rules"), with retries bounded by ``max_attempts``."""
     import asyncio
 
     calls: dict[int, int] = {}

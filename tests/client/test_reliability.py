@@ -177,7 +177,7 @@ async def test_200_concurrent_rollouts_through_the_agent_every_row_accounted(
 
 async def test_200_concurrent_rollouts_across_example_environments_via_head_discovery() -> None:
     """Three example environments behind three agents; rows routed by agent_ref via a head server."""
-    registry = pytest.importorskip("environments.registry")
+    registry = pytest.importorskip("gymbridge_envs.registry")
 
     plan = {"circle_click": 70, "counter": 70, "grid_door": 60}
 

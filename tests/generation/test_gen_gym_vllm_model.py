@@ -82,12 +82,12 @@ def loop_thread() -> Iterator[LoopThread]:
 def test_genuine_vllm_model_and_simple_agent_on_our_model_server(
     loop_thread: LoopThread, env_name: str, tmp_path: Path
 ) -> None:
-    from environments.registry import get_env
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.generation.scripted import ScriptedGenerator
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.server import start_server
     from gymbridge.trajectory import from_gym_result
+    from gymbridge_envs.registry import get_env
 
     spec = get_env(env_name)
     row = spec.make_row(0, 0)

@@ -46,7 +46,7 @@ def bouncing_ball(row: Row) -> Script:
 
 
 def zoom_read(row: Row) -> Script:
-    from environments.zoom_read.data import target_bbox
+    from gymbridge_envs.zoom_read.data import target_bbox
 
     bbox = [int(v) for v in target_bbox(row["scene"])]
     return [call("zoom", bbox=bbox), call("answer", value=str(row["target_value"])), "Done."]

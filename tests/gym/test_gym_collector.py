@@ -24,9 +24,9 @@ from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, GenuineStack
 from _gym_support import ScriptBook, ThreadedLoop
 from _oracles import counter as counter_oracle
 
-import environments.counter.data as counter_data
-import environments.counter.server as counter_server
 import gymbridge.server as server_sdk
+import gymbridge_envs.counter.data as counter_data
+import gymbridge_envs.counter.server as counter_server
 
 pytestmark = pytest.mark.gym
 

@@ -69,12 +69,12 @@ class FaultyServer(server_sdk.ResourcesServer):  # type: ignore[misc, name-defin
 
 
 def _env_server(name: str) -> Any:
-    module = importlib.import_module(f"environments.{name}.server")
+    module = importlib.import_module(f"gymbridge_envs.{name}.server")
     return getattr(module, ENV_CLASSES[name])(instance_name=f"ours_{name}")
 
 
 def _rows(name: str, n: int) -> list[dict[str, Any]]:
-    data = importlib.import_module(f"environments.{name}.data")
+    data = importlib.import_module(f"gymbridge_envs.{name}.data")
     return list(data.generate(n, seed=11))
 
 

@@ -21,8 +21,8 @@ from _genuine import NEMO_GYM_VERSION, GenuineStack
 from _golden import check_or_record
 from _gym_support import ScriptBook
 
-import environments.counter.server as counter_server
 import gymbridge.server as server_sdk
+import gymbridge_envs.counter.server as counter_server
 
 pytestmark = pytest.mark.gym
 

@@ -57,7 +57,7 @@ def test_meter_per_boundary_and_per_shard_totals() -> None:
     sizes = [meter.record("policy_shard", s, shard=i) for i, s in enumerate(shards)]
     meter.record("policy_shard", shards[0], shard=0)  # a second step's shard 0
     report = meter.report()
-    assert list(report) == ["rollout_to_policy", "policy_shard"]  # DESIGN order, recorded only
+    assert list(report) == ["rollout_to_policy", "policy_shard"]  # docs/design.md order, recorded only
     ps = report["policy_shard"]
     assert ps.records == 3
     assert ps.shard_serialized_bytes[0] == 2 * sizes[0].serialized_bytes  # type: ignore[union-attr]

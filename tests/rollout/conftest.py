@@ -17,15 +17,15 @@ for extra in (ROOT, ROOT / "tests" / "generation"):  # example environments; sha
 
 @pytest.fixture
 def zoom_row() -> dict[str, Any]:
-    from environments.registry import get_env
+    from gymbridge_envs.registry import get_env
 
     return get_env("zoom_read").make_row(0, 0, canvas_size=256, thumb_size=56, zoom_size=56)
 
 
 @pytest.fixture
 async def zoom_env() -> AsyncIterator[str]:
-    from environments.registry import get_env
     from gymbridge.server import start_server
+    from gymbridge_envs.registry import get_env
 
     async with await start_server(get_env("zoom_read").make_server()) as running:
         yield running.url

@@ -119,8 +119,8 @@ async def test_regression_stale_turn0_prompt(
 
 
 async def test_gymnasium_observation_images_reach_later_turns(tiny_gen: HFGenerator) -> None:
-    from environments.registry import get_env
     from gymbridge.server import start_server
+    from gymbridge_envs.registry import get_env
 
     spec = get_env("grid_door")
     row = spec.make_row(0, 0)
@@ -145,8 +145,8 @@ async def test_gymnasium_observation_images_reach_later_turns(tiny_gen: HFGenera
 async def test_group_runs_concurrently_and_records_failures(
     tiny_gen: HFGenerator, zoom_row: dict[str, Any]
 ) -> None:
-    from environments.registry import get_env
     from gymbridge.server import free_port, start_server
+    from gymbridge_envs.registry import get_env
 
     row = get_env("counter").make_row(0, 0)
     async with await start_server(get_env("counter").make_server()) as env:

@@ -29,10 +29,10 @@ async def test_regression_bad_row_sampling_is_recorded_not_raised_through_the_gr
 async def test_regression_group_over_a_batching_generator_shares_batches(tiny_gen: HFGenerator) -> None:
     """A BatchingGenerator had no ``codec``, so run_group over one raised; and the issue's
     "rollouts for a group run concurrently" means their model calls share forward passes."""
-    from environments.registry import get_env
     from gymbridge.generation.batching import BatchingGenerator
     from gymbridge.generation.types import SamplingConfig
     from gymbridge.server import start_server
+    from gymbridge_envs.registry import get_env
 
     row = get_env("counter").make_row(0, 0)
     batched = BatchingGenerator(tiny_gen, window_s=0.05)

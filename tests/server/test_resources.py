@@ -11,8 +11,6 @@ import aiohttp
 import pytest
 from pydantic import BaseModel, Field
 
-from environments.circle_click.server import CircleClickServer
-from environments.counter.server import CounterServer
 from gymbridge.server import (
     HttpError,
     ResourcesServer,
@@ -23,6 +21,8 @@ from gymbridge.server import (
     tool,
 )
 from gymbridge.server.examples import CounterEnv, counter_rows
+from gymbridge_envs.circle_click.server import CircleClickServer
+from gymbridge_envs.counter.server import CounterServer
 
 STOCK_TOOLS = json.loads((Path(__file__).parent / "fixtures" / "stock_row_tools.json").read_text())
 

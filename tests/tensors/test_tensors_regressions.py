@@ -131,3 +131,18 @@ def test_regression_unpickled_row_tensors_do_not_alias_readonly_buffers() -> Non
     assert torch.equal(seg, img)
     addresses = {np.frombuffer(b, dtype=np.uint8).ctypes.data for b in readonly}
     assert seg.data_ptr() in addresses
+
+
+def test_regression_negative_pack_dim_counts_from_the_end_like_torch() -> None:
+    """PackedTensor refused pack_dim=-1 ('must be >= 0'); torch.cat(dim=-1) takes it."""
+    a, b = torch.arange(6.0).reshape(2, 3), torch.arange(4.0).reshape(2, 2)
+    packed = PackedTensor.from_rows([[a], [b, a]], pack_dim=-1)
+    assert packed.pack_dim == 1
+    expected = torch.cat([a, b, a], dim=-1)
+    materialized = packed.materialize()
+    assert materialized is not None and torch.equal(materialized, expected)
+    # an empty part made with the negative spelling concatenates with the normalised one
+    joined = PackedTensor.cat([PackedTensor.empty(1, pack_dim=-1), packed])
+    assert len(joined) == 3 and joined.pack_dim == 1
+    with pytest.raises(ValueError, match=r"pack_dim -3 out of range for 2-dim segments \(expected -2..1\)"):
+        PackedTensor.from_rows([[a]], pack_dim=-3)

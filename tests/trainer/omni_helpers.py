@@ -32,7 +32,7 @@ def wav_bytes(seconds: float = 1.5, rate: int = 22050, freq_hz: float = 660.0) -
 
 def mp4_bytes(num_frames: int = 6, size: int = 64, fps: int = 2) -> bytes:
     """A moving square, H.264 in MP4 (the bouncing_ball encoder)."""
-    from environments.bouncing_ball.data import encode_mp4
+    from gymbridge_envs.bouncing_ball.data import encode_mp4
 
     frames = np.zeros((num_frames, size, size, 3), dtype=np.uint8)
     for i in range(num_frames):

@@ -38,7 +38,7 @@ def _oracle_tokens(gen: HFGenerator, row: dict[str, Any]) -> list[int]:
 
 
 async def test_grpo_raises_the_rewarded_tool_call_through_the_whole_native_path() -> None:
-    from environments import get_env
+    from gymbridge_envs import get_env
 
     spec = get_env("circle_click")
     row = spec.make_row(5, 0, img_size=112, radius_min=8, radius_max=14)

@@ -127,12 +127,16 @@ def test_generated_tokens_on_a_user_message() -> None:
     ("components", "ok"),
     [({"a": 0.5, "b": 0.5}, True), ({"a": 0.5, "b": 0.5 + 5e-7}, True), ({"a": 0.5, "b": 0.4}, False)],
 )
-def test_reward_components_must_sum_to_reward(components: dict[str, float], ok: bool) -> None:
+def test_reward_components_must_sum_to_reward_under_the_sum_check(
+    components: dict[str, float], ok: bool
+) -> None:
     res = result([assistant("a", **tok([1], [2]))], reward_components=components)
     if ok:
-        assert from_gym_result(res).reward_components == components
+        assert from_gym_result(res, reward_components_check="sum").reward_components == components
     else:
-        _raises(res, "reward_components sum to", None)
+        _raises(res, "reward_components sum to", None, reward_components_check="sum")
+    # the default keeps them as given either way
+    assert from_gym_result(res).reward_components == components
 
 
 def test_non_finite_reward_component() -> None:

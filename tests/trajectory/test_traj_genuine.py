@@ -2,14 +2,13 @@
 
 Regression tests for shapes the first version choked on (transitions-form output from
 ``aviary_agent`` / ``toolsandbox_agent``, all-empty generations from hermes-style
-agents), plus genuine example rollouts from the unpacked wheel when it is present
-(``GYMBRIDGE_NEMO_GYM_SRC``, default ``/tmp/nemo_gym_src``).
+agents), plus genuine example rollouts from the nemo-gym 0.7.0 wheel in the conformance venv
+(the ``gym_wheel_data`` fixture: skipped with the reason when absent, a failure in CI).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +19,12 @@ from gymbridge import protocol as p
 from gymbridge.errors import TrajectoryError
 from gymbridge.trajectory import from_gym_result
 
-SRC = Path(os.environ.get("GYMBRIDGE_NEMO_GYM_SRC", "/tmp/nemo_gym_src"))
 RED, GREEN, BLUE = png_url((200, 0, 0)), png_url((0, 200, 0)), png_url((0, 0, 200))
 
 
-def _genuine_lines(rel: str, n: int = 3) -> list[bytes]:
-    path = SRC / rel
-    if not path.exists():
-        pytest.skip(f"genuine NeMo Gym data not found at {path}")
+def _genuine_lines(src: Path, rel: str, n: int = 3) -> list[bytes]:
+    path = src / rel
+    assert path.is_file(), f"{rel} is not in the nemo-gym 0.7.0 wheel"
     with path.open("rb") as fh:
         return [line for _, line in zip(range(n), fh, strict=False)]
 
@@ -133,8 +130,8 @@ def test_regression_all_empty_generations_say_so() -> None:
         "benchmarks/automationbench/data/example_rollouts.jsonl",
     ],
 )
-def test_genuine_rollouts_with_token_fields_give_trajectories(rel: str) -> None:
-    for line in _genuine_lines(rel):
+def test_genuine_rollouts_with_token_fields_give_trajectories(rel: str, gym_wheel_data: Path) -> None:
+    for line in _genuine_lines(gym_wheel_data, rel):
         raw = json.loads(line)
         traj = from_gym_result(line)
         assert traj.turns, rel
@@ -151,16 +148,16 @@ def test_genuine_rollouts_with_token_fields_give_trajectories(rel: str) -> None:
         assert from_gym_result(p.parse_run_result(line)).token_ids() == traj.token_ids()
 
 
-def test_genuine_hermes_rollout_with_only_empty_generations_is_a_clear_error() -> None:
-    (line,) = _genuine_lines("environments/hermes_math/data/example_rollouts.jsonl", 1)
+def test_genuine_hermes_rollout_with_only_empty_generations_is_a_clear_error(gym_wheel_data: Path) -> None:
+    (line,) = _genuine_lines(gym_wheel_data, "environments/hermes_math/data/example_rollouts.jsonl", 1)
     with pytest.raises(TrajectoryError, match="every generation_token_ids is empty"):
         from_gym_result(line)
 
 
-def test_genuine_aviary_transitions_rollouts_walk() -> None:
+def test_genuine_aviary_transitions_rollouts_walk(gym_wheel_data: Path) -> None:
     """Genuine aviary rollouts (transitions form, no token fields): parsed losslessly and
     refused by the walk for the right reason, not for their shape."""
-    for line in _genuine_lines("environments/aviary_bixbench/data/example_rollouts.jsonl"):
+    for line in _genuine_lines(gym_wheel_data, "environments/aviary_bixbench/data/example_rollouts.jsonl"):
         raw = json.loads(line)
         parsed = p.parse_run_result(line)
         assert parsed.response.is_transitions

@@ -12,11 +12,11 @@ import soundfile as sf
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from environments._common import count_reward, parse_int_answer
-from environments._testing import call, message, response, running
-from environments.beep_count.data import count_beeps, generate, make_row
-from environments.beep_count.server import BeepCountServer
 from gymbridge.server import check_env
+from gymbridge_envs._common import count_reward, parse_int_answer
+from gymbridge_envs._testing import call, message, response, running
+from gymbridge_envs.beep_count.data import count_beeps, generate, make_row
+from gymbridge_envs.beep_count.server import BeepCountServer
 
 
 def _samples(row: dict[str, object]) -> tuple[object, int]:

@@ -13,9 +13,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from environments._common import count_reward
-from environments._testing import call, message, response, running
-from environments.bouncing_ball.data import (
+from gymbridge.server import check_env
+from gymbridge_envs._common import count_reward
+from gymbridge_envs._testing import call, message, response, running
+from gymbridge_envs.bouncing_ball.data import (
     encode_mp4,
     generate,
     make_row,
@@ -23,8 +24,7 @@ from environments.bouncing_ball.data import (
     rgb_to_yuv420p,
     simulate,
 )
-from environments.bouncing_ball.server import BouncingBallServer
-from gymbridge.server import check_env
+from gymbridge_envs.bouncing_ball.server import BouncingBallServer
 
 
 def _decode(raw: bytes) -> np.ndarray:

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from environments._testing import call, message, response, running
-from environments.circle_click.data import COLORS, click_reward, generate, make_row, parse_click, render
-from environments.circle_click.server import CircleClickServer
 from gymbridge.server import check_env
+from gymbridge_envs._testing import call, message, response, running
+from gymbridge_envs.circle_click.data import COLORS, click_reward, generate, make_row, parse_click, render
+from gymbridge_envs.circle_click.server import CircleClickServer
 
 
 def _target(row: dict[str, Any]) -> dict[str, Any]:

@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from environments._common import count_reward
-from environments._testing import message, response, running
-from environments.counter.data import generate, make_row
-from environments.counter.server import CounterServer
 from gymbridge.server import check_env
+from gymbridge_envs._common import count_reward
+from gymbridge_envs._testing import message, response, running
+from gymbridge_envs.counter.data import generate, make_row
+from gymbridge_envs.counter.server import CounterServer
 
 STOCK_ROW = json.loads((Path(__file__).parent / "stock_example_row.json").read_text())
 """Row 0 of stock Gym's example_session_state_mgmt/data/example.jsonl (golden protocol shape)."""

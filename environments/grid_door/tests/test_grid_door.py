@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from environments._testing import message, response, running, user
-from environments.grid_door.data import generate, make_row
-from environments.grid_door.game import CELL_PX, GameOver, GridState, optimal_actions, parse_action
-from environments.grid_door.server import GridDoorServer
 from gymbridge.protocol import parse_reset_response, parse_step_response
 from gymbridge.server import check_env
+from gymbridge_envs._testing import message, response, running, user
+from gymbridge_envs.grid_door.data import generate, make_row
+from gymbridge_envs.grid_door.game import CELL_PX, GameOver, GridState, optimal_actions, parse_action
+from gymbridge_envs.grid_door.server import GridDoorServer
 
 #   0 1 2
 # 0 A . K

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from environments._testing import call, message, response, running
-from environments.zoom_read.data import (
+from gymbridge.server import check_env
+from gymbridge_envs._testing import call, message, response, running
+from gymbridge_envs.zoom_read.data import (
     TARGET_COLOR,
     answer_reward,
     clamp_bbox,
@@ -24,8 +25,7 @@ from environments.zoom_read.data import (
     render,
     target_bbox,
 )
-from environments.zoom_read.server import ZoomReadServer
-from gymbridge.server import check_env
+from gymbridge_envs.zoom_read.server import ZoomReadServer
 
 SMALL = {"canvas_size": 512, "num_distractors": 4}
 
@@ -147,7 +147,7 @@ async def test_verify_falls_back_to_the_sessions_recorded_answer() -> None:
 async def test_concurrent_sessions_of_one_prompt_render_the_canvas_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import environments.zoom_read.server as server_module
+    import gymbridge_envs.zoom_read.server as server_module
 
     calls: list[int] = []
 
