@@ -12,6 +12,7 @@ a :class:`~gymbridge.errors.ConfigError` listing the valid ones, never silently 
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 from collections.abc import Iterator, Mapping
@@ -61,6 +62,16 @@ class EnvSpec:
                 source=f"environments.{self.name}.data",
             )
 
+    def launcher_defaults(self) -> dict[str, Any]:
+        """Launcher settings this environment trains with (``LAUNCHER_DEFAULTS`` of its data module).
+
+        Keys are launcher config keys (``env_params``, ``max_turns``, ``shaping``, ``warmup``, ...);
+        a launcher switched to this environment (``--env NAME``) applies them instead of the
+        config file's settings for another environment. ``{}`` when the module has none.
+        """
+        found = getattr(self.data_module(), "LAUNCHER_DEFAULTS", None)
+        return copy.deepcopy(dict(found)) if isinstance(found, Mapping) else {}
+
     def make_row(self, seed: int, index: int, **params: Any) -> dict[str, Any]:
         self.check_params(params)
         row: dict[str, Any] = self.data_module().make_row(seed, index, **params)
@@ -88,6 +99,13 @@ class EnvSpec:
 ENVIRONMENTS: dict[str, EnvSpec] = {
     spec.name: spec
     for spec in (
+        EnvSpec(
+            "color_pick",
+            "name the colour of a solid image (optionally shown by a look tool)",
+            ("image",),
+            "tools",
+            "ColorPickServer",
+        ),
         EnvSpec(
             "circle_click", "click the centre of the named circle", ("image",), "tools", "CircleClickServer"
         ),

@@ -35,6 +35,18 @@ SYSTEM_PROMPT = (
 )
 
 
+LAUNCHER_DEFAULTS: dict[str, Any] = {
+    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
+    "env_params": {"duration_s": 1.0, "max_beeps": 3},
+    "max_turns": 2,
+    "max_tokens": 16,
+    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
+    "warmup": {"steps": 0},
+    "trainer": {"lr": 2.0e-2},
+}
+"""What ``gymbridge smoke run --env beep_count`` trains with (see ``environments.registry``)."""
+
+
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
     from environments.beep_count.server import BeepCountServer

@@ -24,6 +24,18 @@ SYSTEM_PROMPT = (
 )
 
 
+LAUNCHER_DEFAULTS: dict[str, Any] = {
+    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
+    "env_params": {},
+    "max_turns": 4,
+    "max_tokens": 16,
+    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
+    "warmup": {"steps": 0},
+    "trainer": {"lr": 2.0e-2},
+}
+"""What ``gymbridge smoke run --env counter`` trains with (see ``environments.registry``)."""
+
+
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
     from environments.counter.server import CounterServer

@@ -28,6 +28,18 @@ SYSTEM_PROMPT = (
 )
 
 
+LAUNCHER_DEFAULTS: dict[str, Any] = {
+    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
+    "env_params": {"size": 4},
+    "max_turns": 4,
+    "max_tokens": 16,
+    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
+    "warmup": {"steps": 0},
+    "trainer": {"lr": 2.0e-2},
+}
+"""What ``gymbridge smoke run --env grid_door`` trains with (see ``environments.registry``)."""
+
+
 def make_row(
     seed: int, index: int, *, size: int = 5, max_walls: int = 4, step_slack: int = 6
 ) -> dict[str, Any]:

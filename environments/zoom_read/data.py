@@ -34,6 +34,18 @@ SYSTEM_PROMPT = (
 )
 
 
+LAUNCHER_DEFAULTS: dict[str, Any] = {
+    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
+    "env_params": {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56},
+    "max_turns": 3,
+    "max_tokens": 16,
+    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
+    "warmup": {"steps": 0},
+    "trainer": {"lr": 2.0e-2},
+}
+"""What ``gymbridge smoke run --env zoom_read`` trains with (see ``environments.registry``)."""
+
+
 def tools() -> list[dict[str, Any]]:
     """The function tools the server publishes: one source of truth, the server's typed tools."""
     from environments.zoom_read.server import ZoomReadServer

@@ -74,6 +74,7 @@ from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
+from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -143,6 +144,8 @@ class SmokeConfig(StrictModel):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
+    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
 
@@ -299,6 +302,16 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             else "resumed: no checkpoint yet, starting from step 1",
             file=out,
         )
+    if not resume:
+        from gymbridge.trainer.warmup import warmup_for_env
+
+        warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, generator, cfg.warmup)
+        if warm is not None:
+            print(
+                f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets, "
+                f"loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)",
+                file=out,
+            )
     version = state.policy_version if state is not None else 0
     publisher = InProcessPublisher(generator)
     publisher.publish(policy, version)  # a resumed run's weights and version
@@ -517,6 +530,15 @@ def build_config(
     path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
     if config_path is not None or path.is_file():
         data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
+    env_flag = flags.get("env")
+    if env_flag is not None and env_flag != data.get("env", SmokeConfig.model_fields["env"].default):
+        # another environment than the file's: its own defaults, not the file's settings for another one
+        defaults = _environments().get_env(env_flag).launcher_defaults()
+        for key in ("env_params", "max_turns", "max_tokens", "shaping", "warmup"):
+            data.pop(key, None)
+        trainer_defaults = defaults.pop("trainer", {})
+        data.update(defaults)
+        data["trainer"] = {**data.get("trainer", {}), **trainer_defaults}
     for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
         node = data
         parts = key.split(".")
