@@ -16,7 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "== installing gymbridge[dev,ray] (torch pinned to the local CPU wheel where no GPU torch is present)"
+    echo "== installing gymbridge[dev,ray,train] (torch pinned to the local CPU wheel where no GPU torch is present)"
     t0=$(date +%s)
     torch_pin="torch==2.13.0"  # CPU machines: the local CPU wheel (an unpinned torch pulls a CUDA build)
     if "$VENV/bin/python" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
@@ -27,7 +27,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     log="$VENV/.gymbridge-install.log"
     set +e
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray]" $torch_pin >"$log" 2>&1
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray,train]" $torch_pin >"$log" 2>&1
     rc=$?
     set -e
     grep -v "is ignored: it is neither a file nor a directory" "$log" || true

@@ -139,6 +139,8 @@ class SmokeConfig(StrictModel):
     run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
     """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
     default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
+    chart_every: int = Field(5, ge=1)
+    """Redraw ``charts/`` every N steps (and at the end); rollouts and the viewer update every step."""
     checkpoint_every: int = Field(0, ge=0)
     """> 0: write a run checkpoint every N steps (``--resume`` continues from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
@@ -249,6 +251,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.trainer.artifacts import RunArtifacts
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
@@ -396,6 +399,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             skip_task_indices=state.done_task_indices if state is not None else (),
         )
         stack.push_async_callback(bridge.aclose)
+        artifacts = RunArtifacts(run.path, decode=tiny.tokenizer.decode, chart_every=cfg.chart_every)
         first = state.step + 1 if state is not None else 1
         result.resumed_from_step = first - 1
         bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
@@ -431,6 +435,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             )
             run.append_metrics(record)
             result.records.append(record)
+            await asyncio.to_thread(artifacts.record_step, step, bridge.last_groups, run.metrics())
             bar.update(1)
             bar.clear()
             line = _step_line(
@@ -479,6 +484,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         f"{result.elapsed_s:.1f}s total; metrics: {run.metrics_path}, failures: {run.failures_path}",
         file=out,
     )
+    artifacts.finish(run.metrics())
+    print(f"charts: {artifacts.charts_path}/\nviewer: {artifacts.viewer_path}", file=out, flush=True)
     return result
 
 
