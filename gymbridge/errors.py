@@ -10,7 +10,9 @@ exceptions (``TypeError``, ``ValueError``).
 
     GymbridgeError
     ├── ProtocolError          a JSON body does not match the NeMo Gym wire shape
-    │                          (wraps the pydantic ValidationError as __cause__)
+    │   │                      (wraps the pydantic ValidationError as __cause__)
+    │   └── JsonTooDeepError   a JSON body nests deeper than
+    │                          ``gymbridge.limits.MAX_JSON_DEPTH``
     ├── MediaError             a media reference could not become a MediaItem
     │   ├── MediaPolicyError   refused by the MediaPolicy (permanent: never retry)
     │   ├── MediaFetchError    reading the bytes failed; ``retryable`` says whether
@@ -20,7 +22,9 @@ exceptions (``TypeError``, ``ValueError``).
     │                          ``item_index`` names the output item at fault
     ├── EnvError               talking to an environment / agent / model server
     │   ├── EnvServerError     the server answered with an error status
-    │   │                      (``status``, ``body``, ``server``)
+    │   │   │                  (``status``, ``body``, ``server``)
+    │   │   └── EnvSessionLostError  the environment no longer knows the
+    │   │                      rollout's session (restarted / evicted; 409)
     │   ├── EnvTransportError  the connection failed or broke mid-body
     │   ├── EnvTimeoutError    the deadline passed
     │   └── CheckEnvError      ``check_env`` found conformance problems
@@ -36,8 +40,10 @@ exceptions (``TypeError``, ``ValueError``).
     ├── TrainingError          the training loop cannot go on
     │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
     │                          the trainer's (``ratio_mean``, ``tolerance``)
-    │   └── WeightSyncError    publishing weights to a generator failed
-    │                          (a name / shape mismatch, a dead group, a refused route)
+    │   ├── WeightSyncError    publishing weights to a generator failed
+    │   │                      (a name / shape mismatch, a dead group, a refused route)
+    │   └── GeneratorProcessError  the generator's own process did not start
+    │                          (exited or never ready; the message holds its log tail)
     └── ConfigError            a configuration is invalid; ``problems`` lists
                                every problem found, not just the first
 """
@@ -55,9 +61,12 @@ __all__ = [
     "ConfigError",
     "EnvError",
     "EnvServerError",
+    "EnvSessionLostError",
     "EnvTimeoutError",
     "EnvTransportError",
+    "GeneratorProcessError",
     "GymbridgeError",
+    "JsonTooDeepError",
     "MediaDecodeError",
     "MediaError",
     "MediaFetchError",
@@ -85,6 +94,10 @@ class ProtocolError(GymbridgeError):
     def __init__(self, message: str, *, errors: Sequence[object] = ()) -> None:
         super().__init__(message)
         self.errors = list(errors)
+
+
+class JsonTooDeepError(ProtocolError):
+    """A JSON body nests arrays/objects deeper than ``gymbridge.limits.MAX_JSON_DEPTH``."""
 
 
 class MediaError(GymbridgeError):
@@ -156,6 +169,19 @@ class EnvServerError(EnvError):
     def retryable(self) -> bool:
         """Infrastructure faults (5xx, 408, 429) are worth retrying; other 4xx are not."""
         return self.status >= 500 or self.status in (408, 429)
+
+
+class EnvSessionLostError(EnvServerError):
+    """The environment answered 409 ``env_session_lost``: it no longer holds the rollout's session.
+
+    It restarted, or evicted or closed the session; the rollout cannot be scored and is
+    recorded as a failure of class ``env_session_lost`` (:attr:`failure_class`). Servers
+    mark such an answer with the header ``X-Gymbridge-Error: env_session_lost``
+    (:attr:`header`), so a 409 for another reason is never mistaken for it.
+    """
+
+    failure_class = "env_session_lost"
+    header = "X-Gymbridge-Error"
 
 
 class EnvTransportError(EnvError):
@@ -234,6 +260,10 @@ class PolicyDriftError(TrainingError):
 
 class WeightSyncError(TrainingError):
     """Publishing weights to a generator failed (mismatched layout, a refused route, a dead group)."""
+
+
+class GeneratorProcessError(TrainingError):
+    """The generator's own process did not start (it exited, or never became ready)."""
 
 
 class ConfigError(GymbridgeError):

@@ -30,6 +30,9 @@ from gymbridge import errors as E
         (E.TrainingError, E.GymbridgeError),
         (E.PolicyDriftError, E.TrainingError),
         (E.WeightSyncError, E.TrainingError),
+        (E.JsonTooDeepError, E.ProtocolError),
+        (E.EnvSessionLostError, E.EnvServerError),
+        (E.GeneratorProcessError, E.TrainingError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:

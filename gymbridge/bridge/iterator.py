@@ -17,9 +17,15 @@ Invariants:
   batch or a failed-group record. A rollout whose trajectory breaks the group's batch build
   (placeholder mismatch, undecodable media) is isolated and recorded on its own;
   ``stats.prompts_started == stats.groups_completed + stats.groups_failed +
-  stats.groups_dropped`` once the iterator is drained (``groups_dropped``: completed groups
-  of a final partial batch discarded by ``drop_last``, each recorded as a ``drop_last`` group
-  record);
+  stats.groups_dropped + stats.groups_dropped_stale`` once the iterator is drained or
+  stopped (``groups_dropped``: completed groups of a final partial batch discarded by
+  ``drop_last``, and every prompt started but not yielded when the iterator stops, by
+  :class:`BridgeStalledError` or :meth:`~BridgeIterator.aclose`: completed groups not yet in
+  a batch and groups cancelled in flight, each recorded as a ``drop_last`` /
+  ``bridge_stopped`` group record);
+* any exception of one rollout (a source, postprocessing or batch-build failure, a
+  gymbridge error or not) is that rollout's failure record, never an exception through
+  the iterator;
 * a group with failed rollouts is completed from its successful ones when at least
   ``min_group_size`` succeeded (advantages over those), otherwise the group is reported
   as failed (never trained on);
@@ -38,7 +44,10 @@ Invariants:
   version among the trajectory's turns (``Trajectory.oldest_policy_version``; the version the
   iterator had when the group started when the generator does not stamp versions). An older
   group is dropped: every rollout is recorded with class ``stale``, the group with class
-  ``stale`` (``stats.groups_dropped_stale``), never trained silently;
+  ``stale`` (``stats.groups_dropped_stale``), never trained silently. ``drop_stale=False``
+  (only meaningful on-policy, ``k = 0``) hands such a group to the trainer instead, with its
+  ``staleness`` set, for a drift guard to fail the step loudly (an on-policy generator that
+  lags is a broken weight sync, not data to drop);
 * **resumable position**: :attr:`BridgeIterator.done_task_indices` are the rows whose group
   was consumed (trained, failed or dropped); ``skip_task_indices`` (a resumed run's done rows)
   are never started again. Groups in flight are not done: a resumed run starts them afresh;
@@ -64,7 +73,7 @@ from typing import IO, TYPE_CHECKING, Any, Literal
 import orjson
 
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
-from gymbridge.errors import BridgeStalledError, GymbridgeError, MediaError, TrajectoryError
+from gymbridge.errors import BridgeStalledError, TrajectoryError
 
 if TYPE_CHECKING:
     from gymbridge.bridge.replay import ReplayBuffer
@@ -183,6 +192,7 @@ class BridgeIterator:
         max_staleness: ``k``: groups of the next ``k`` batches run ahead; a group more than ``k``
             policy versions old when its batch is asked for is dropped as ``stale`` (module docstring).
         skip_task_indices: rows never to start (a resumed run's :attr:`done_task_indices`).
+        drop_stale: drop groups over the bound (default); ``False``: pass them on (module docstring).
     """
 
     def __init__(
@@ -207,6 +217,7 @@ class BridgeIterator:
         reward_fn: Callable[[Trajectory], float] | None = None,
         max_staleness: int = 0,
         skip_task_indices: Iterable[int] = (),
+        drop_stale: bool = True,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -239,6 +250,7 @@ class BridgeIterator:
         self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
         self.reward_fn = reward_fn
         self.max_staleness = max_staleness
+        self.drop_stale = drop_stale
         self.policy_version = 0
         """The trainer's policy version: set it before asking for a batch (staleness is measured from it)."""
         self.done_task_indices: set[int] = set()
@@ -253,6 +265,7 @@ class BridgeIterator:
         self._rows = enumerate(read_rows(rows))
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
+        self._task_index: dict[asyncio.Task[GroupResult], int] = {}
         self._consecutive_failed = 0
         self._failures_file: IO[bytes] | None = None
         self._closed = False
@@ -300,7 +313,7 @@ class BridgeIterator:
             traj = from_gym_result(
                 rec.result, media_policy=self.media_policy, on_noncontiguous=self.on_noncontiguous
             )
-        except (TrajectoryError, MediaError) as exc:
+        except Exception as exc:  # any failure to read one result is that rollout's, not the batch's
             where = (
                 f" (output item {exc.item_index})"
                 if isinstance(exc, TrajectoryError) and exc.item_index is not None
@@ -383,7 +396,7 @@ class BridgeIterator:
         else:
             try:
                 records = await self.source.rollouts(row, task_index=task_index, group_size=self.group_size)
-            except GymbridgeError as exc:  # a source bug or a setup failure: still data for this prompt
+            except Exception as exc:  # a source bug or a setup failure: still data for this prompt
                 records = [
                     RolloutRecord(task_index, i, failure_class=type(exc).__name__, failure_reason=str(exc))
                     for i in range(self.group_size)
@@ -403,7 +416,7 @@ class BridgeIterator:
         if len(trajs) >= self.min_group_size:
             try:
                 batch = self._build(trajs)
-            except (TrajectoryError, MediaError) as exc:
+            except Exception as exc:
                 # find the culprits one by one: one bad rollout must not sink its whole group
                 logger.info(
                     "group of task %d did not build (%s); checking rollouts one by one", task_index, exc
@@ -412,7 +425,7 @@ class BridgeIterator:
                 for traj in trajs:
                     try:
                         self._build([traj])
-                    except (TrajectoryError, MediaError) as one:
+                    except Exception as one:
                         self.stats.rollouts_ok -= 1
                         if traj.mask_sample:
                             self.stats.rollouts_masked -= 1
@@ -427,7 +440,7 @@ class BridgeIterator:
                 if len(trajs) >= self.min_group_size:
                     try:
                         batch = self._build(trajs)
-                    except (TrajectoryError, MediaError) as again:  # fails only together: give up
+                    except Exception as again:  # fails only together: give up
                         reason = f"building the group's batch failed: {type(again).__name__}: {again}"
         if batch is None and reason is None:
             reason = (
@@ -473,7 +486,9 @@ class BridgeIterator:
             if task_index in self._skip:
                 continue
             self.stats.prompts_started += 1
-            self._pending.append(asyncio.ensure_future(self._run_group(task_index, row, self.policy_version)))
+            task = asyncio.ensure_future(self._run_group(task_index, row, self.policy_version))
+            self._task_index[task] = task_index
+            self._pending.append(task)
 
     @property
     def in_flight(self) -> int:
@@ -543,11 +558,15 @@ class BridgeIterator:
             self._start_more(self.prompts_per_batch - len(groups) + ahead)
             if not self._pending:
                 break
-            result = await self._pending.popleft()
+            task = self._pending.popleft()
+            try:
+                result = await task
+            finally:
+                self._task_index.pop(task, None)
             self.done_task_indices.add(result.task_index)
             if result.batch is not None:
                 result = replace(result, staleness=self._staleness(result))
-                if result.staleness > self.max_staleness:
+                if result.staleness > self.max_staleness and self.drop_stale:
                     self._drop_stale(result)
                     self.last_dropped_stale.append(result)
                     continue
@@ -558,6 +577,8 @@ class BridgeIterator:
                     "group of task %d failed: %s", result.task_index, result.failures[-1]["failure_reason"]
                 )
                 if self._consecutive_failed >= self.max_consecutive_failed_groups:
+                    for done in groups:  # completed but never yielded: recorded, not lost
+                        self._drop_group(done, "bridge_stopped", "the iterator stalled before its batch")
                     await self.aclose()
                     raise BridgeStalledError(
                         f"{self._consecutive_failed} consecutive groups failed "
@@ -595,24 +616,68 @@ class BridgeIterator:
             self.replay.push(batch)
         return batch
 
-    def _drop_group(self, group: GroupResult) -> None:
-        """Record a completed group that ``drop_last`` discards (never silently lost)."""
-        self.stats.groups_completed -= 1
+    def _drop_group(
+        self,
+        group: GroupResult,
+        failure_class: str = "drop_last",
+        reason: str | None = None,
+        *,
+        counted: bool = True,
+    ) -> None:
+        """Record a completed group that is never yielded (``drop_last``, or the iterator stopping).
+
+        ``counted``: the group is already in ``groups_completed`` (popped by ``__anext__``).
+        """
+        if counted:
+            self.stats.groups_completed -= 1
         self.stats.groups_dropped += 1
         self.stats.rollouts_dropped += len(group.trajectories)
-        logger.warning("drop_last: discarding the completed group of task %d", group.task_index)
+        if reason is None:
+            reason = f"final partial batch ({self.prompts_per_batch} groups per batch) dropped by drop_last"
+        logger.warning("%s: discarding the completed group of task %d", failure_class, group.task_index)
         self._record(
             {
                 "kind": "group",
                 "task_index": group.task_index,
                 "succeeded": len(group.trajectories),
                 "group_size": self.group_size,
-                "failure_class": "drop_last",
-                "failure_reason": (
-                    f"final partial batch ({self.prompts_per_batch} groups per batch) dropped by drop_last"
-                ),
+                "failure_class": failure_class,
+                "failure_reason": reason,
                 "rollout_failure_classes": {},
                 "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
+                "time": time.time(),
+            }
+        )
+
+    def _record_stopped(self, task: asyncio.Task[GroupResult], task_index: int) -> None:
+        """The record of a prompt still pending when the iterator stops: every started prompt ends
+        in a batch or a record. A group that finished meanwhile keeps its own outcome."""
+        if task.done() and not task.cancelled() and task.exception() is None:
+            result = task.result()
+            if result.batch is None:
+                self.stats.groups_failed += 1  # its group record was written by _run_group
+            else:
+                self._drop_group(
+                    result, "bridge_stopped", "the iterator stopped before its batch", counted=False
+                )
+            return
+        self.stats.groups_dropped += 1
+        error = None if task.cancelled() or not task.done() else task.exception()
+        reason = (
+            "cancelled in flight: the iterator stopped before the group finished"
+            if error is None
+            else f"the group's task raised {type(error).__name__}: {error}"
+        )
+        self._record(
+            {
+                "kind": "group",
+                "task_index": task_index,
+                "succeeded": 0,
+                "group_size": self.group_size,
+                "failure_class": "bridge_stopped",
+                "failure_reason": reason,
+                "rollout_failure_classes": {},
+                "dropped_rollouts": [],
                 "time": time.time(),
             }
         )
@@ -643,6 +708,8 @@ class BridgeIterator:
             task.cancel()
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
+        for task in pending:
+            self._record_stopped(task, self._task_index.pop(task, -1))
         if self._failures_file is not None:
             self._failures_file.close()
             self._failures_file = None

@@ -33,6 +33,7 @@ import torch
 
 from gymbridge.errors import CheckpointError, ReplayCheckpointError
 from gymbridge.safe_io import load_state, save_state, write_atomic
+from gymbridge.tensors.batch import _ROW_TENSORS
 
 if TYPE_CHECKING:
     from gymbridge.metrics import PayloadMeter
@@ -45,23 +46,10 @@ __all__ = ["CHECKPOINT_VERSION", "ReplayBuffer", "ReplayCheckpointError", "cat_g
 CHECKPOINT_VERSION = 2
 """Version 2: safe_io state files (version 1 was a pickle and is refused)."""
 
-_BATCH_TENSORS = (
-    "input_ids",
-    "attention_mask",
-    "loss_mask",
-    "logprobs",
-    "advantages",
-    "rewards",
-    "group_ids",
-    "sample_ids",
-    "segment_ids",
-    "sample_mask",
-)
-
 
 def batch_state(batch: TrainBatch, prefix: str = "batch") -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(tensors, meta)`` of ``batch`` for :func:`~gymbridge.safe_io.save_state` (segments stored once)."""
-    tensors: dict[str, torch.Tensor] = {f"{prefix}.{name}": getattr(batch, name) for name in _BATCH_TENSORS}
+    tensors: dict[str, torch.Tensor] = {f"{prefix}.{name}": getattr(batch, name) for name in _ROW_TENSORS}
     media: list[dict[str, Any]] = []
     for i, (key, packed) in enumerate(batch.media.items()):
         tensors[f"{prefix}.media.{i}.offsets"] = packed.offsets
@@ -93,7 +81,7 @@ def batch_from_state(
     if not isinstance(metadata, list) or not all(isinstance(r, dict) for r in metadata):
         raise TypeError("metadata is not a list of objects")
     return TrainBatch(
-        **{name: tensors[f"{prefix}.{name}"] for name in _BATCH_TENSORS},
+        **{name: tensors[f"{prefix}.{name}"] for name in _ROW_TENSORS},
         media=media,
         metadata=tuple(metadata),
         pad_token_id=int(meta["pad_token_id"]),

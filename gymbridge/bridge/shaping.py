@@ -33,7 +33,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gymbridge.config import StrictModel
-from gymbridge.generation.types import Generation, Generator, SamplingConfig
+from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
 from gymbridge.trajectory.types import GenerationInput, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -129,14 +129,7 @@ class PromptSeededGenerator:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.generator, name)
 
-    @property
-    def policy_version(self) -> int:
-        """The wrapped generator's policy version."""
-        return self.generator.policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.generator.policy_version = version
+    policy_version = wrapped_policy_version("generator")
 
     def _seed_for(self, prompt: Sequence[int]) -> int:
         digest = hashlib.sha256(b",".join(str(t).encode() for t in prompt)).digest()

@@ -112,7 +112,7 @@ class GymRollouts:
                     RolloutRecord(
                         task_index,
                         i,
-                        failure_class=f"gym_{out.kind}",
+                        failure_class=out.kind if out.kind == "env_session_lost" else f"gym_{out.kind}",
                         failure_reason=out.reason or "no reason given",
                         attempts=out.attempts,
                         elapsed_s=out.elapsed_s,
@@ -188,12 +188,14 @@ class NativeRollouts:
                 timeout_s=self.timeout_s,
                 **self.episode_kwargs,
             )
-        except GymbridgeError as exc:
+        except Exception as exc:  # any failure of one rollout is its record, not the group's
+            if not isinstance(exc, GymbridgeError):
+                logger.exception("native rollout %d/%d raised", task_index, index)
             logger.warning("native rollout %d/%d failed: %s: %s", task_index, index, type(exc).__name__, exc)
             return RolloutRecord(
                 task_index,
                 index,
-                failure_class=type(exc).__name__,
+                failure_class=str(getattr(exc, "failure_class", type(exc).__name__)),
                 failure_reason=str(exc) or repr(exc),
                 attempts=1,
                 elapsed_s=time.monotonic() - started,

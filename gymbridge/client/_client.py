@@ -13,7 +13,9 @@ Invariants:
   request is cancelled and the outcome is ``timeout``;
 * retries are bounded (``max_attempts``) with exponential backoff + jitter
   (tenacity) and only for infrastructure faults: transport errors, 5xx, 408,
-  429. Other 4xx and malformed results are ``data`` failures, never retried;
+  429. Other 4xx, malformed results and rows or results nested deeper than
+  ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures, never retried; an agent's
+  409 ``X-Gymbridge-Error: env_session_lost`` is an ``env_session_lost`` failure;
 * httpx exceptions are mapped to gymbridge errors in one place
   (:func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
@@ -39,11 +41,13 @@ from gymbridge.client._outcome import FailureKind, RolloutOutcome
 from gymbridge.errors import (
     EnvError,
     EnvServerError,
+    EnvSessionLostError,
     EnvTimeoutError,
     EnvTransportError,
     GymbridgeError,
     ProtocolError,
 )
+from gymbridge.limits import MAX_JSON_DEPTH, json_too_deep, loads_json
 
 __all__ = ["GymClient"]
 
@@ -64,6 +68,8 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _classify(exc: BaseException) -> FailureKind:
+    if isinstance(exc, EnvSessionLostError):
+        return "env_session_lost"
     if isinstance(exc, EnvTimeoutError):
         return "timeout"
     if isinstance(exc, (EnvTransportError,)) or (isinstance(exc, EnvServerError) and exc.retryable):
@@ -206,24 +212,32 @@ class GymClient:
     ) -> dict[str, Any]:
         """One attempt: POST the row, check the result's shape."""
         endpoint = f"{url}/run"
+        try:
+            content = orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
+        except orjson.JSONEncodeError as exc:  # a TypeError subclass: never let it out of run()
+            raise _DataError(f"row cannot be sent as JSON: {exc}") from exc
         with _map_httpx_errors(endpoint, timeout_s):
             reply = await self._pool[shard % len(self._pool)].post(
                 endpoint,
-                content=orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY),
+                content=content,
                 headers={"Content-Type": "application/json"},
                 timeout=httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s)),
             )
         if not 200 <= reply.status_code < 300:
-            raise EnvServerError(
+            lost = (
+                reply.status_code == 409
+                and reply.headers.get(EnvSessionLostError.header) == EnvSessionLostError.failure_class
+            )
+            raise (EnvSessionLostError if lost else EnvServerError)(
                 f"{endpoint} answered HTTP {reply.status_code}: {reply.text[:300]}",
                 status=reply.status_code,
                 body=reply.text[:4000],
                 server=endpoint,
             )
         try:
-            result = orjson.loads(reply.content)
-        except orjson.JSONDecodeError as exc:
-            raise ProtocolError(f"{endpoint}: result is not JSON: {reply.text[:200]!r}") from exc
+            result = loads_json(reply.content, f"{endpoint}: result")
+        except ProtocolError as exc:
+            raise ProtocolError(f"{exc}: {reply.text[:200]!r}") from exc
         if not isinstance(result, dict):
             raise ProtocolError(f"{endpoint}: result is a {type(result).__name__}, not an object")
         reward = result.get("reward")
@@ -260,6 +274,10 @@ class GymClient:
 
         if not isinstance(row, dict) or not isinstance(row.get("responses_create_params"), dict):
             return outcome(kind="data", reason="row is not an object with a 'responses_create_params' object")
+        if json_too_deep(row):
+            return outcome(
+                kind="data", reason=f"row nests arrays/objects deeper than {MAX_JSON_DEPTH} levels"
+            )
         last_error: BaseException | None = None
         try:
             async with asyncio.timeout(budget):

@@ -1,7 +1,7 @@
 """RolloutOutcome: the one record every dataset row yields, success or failure.
 
 Invariants: ``ok`` is True exactly when ``result`` is set and ``kind`` is None;
-a failure has ``kind`` in ``{"infra", "data", "timeout"}`` and a non-empty
+a failure has ``kind`` in ``{"infra", "data", "timeout", "env_session_lost"}`` and a non-empty
 ``reason``; ``attempts`` counts the HTTP attempts made (0 when the row was
 rejected before any call).
 """
@@ -13,9 +13,11 @@ from typing import Any, Literal
 
 __all__ = ["FailureKind", "RolloutOutcome"]
 
-FailureKind = Literal["infra", "data", "timeout"]
+FailureKind = Literal["infra", "data", "timeout", "env_session_lost"]
 """``infra``: transport, 5xx, 408, 429 (retried, then given up); ``data``: other 4xx,
-malformed results, unroutable rows (not retried); ``timeout``: the deadline passed."""
+malformed results, rows nested too deep, unroutable rows (not retried); ``timeout``: the
+deadline passed; ``env_session_lost``: the environment no longer knew the rollout's session
+(it restarted or evicted it; the agent answered 409 ``X-Gymbridge-Error: env_session_lost``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,10 @@ The model server and concurrent native rollouts each ask for one generation at a
 time; a transformers model is far cheaper per row when rows share a forward pass.
 This wrapper queues requests, waits up to ``window_s`` after the first one for
 more, groups the queued requests by their (hashable) :class:`SamplingConfig` and
-hands each group to the wrapped generator as one call.
+hands each group to the wrapped generator as one call. A *seeded* call is never merged
+with another call (a backend seeds a whole batch, so a seeded row's sample depends on
+its batch-mates): it runs as the batch it was asked as, and gets the answer it would
+get alone.
 
 Invariants: every request gets exactly its own result or its own exception (a
 failing batch is retried row by row, so one bad row cannot fail its neighbours);
@@ -28,7 +31,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gymbridge.generation.types import Generation, Generator, SamplingConfig
+from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
 from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
@@ -50,6 +53,8 @@ class _Pending:
     inp: GenerationInput
     sampling: SamplingConfig
     future: asyncio.Future[Generation]
+    call: int = 0
+    """Which ``generate`` call queued it: seeded calls are grouped per call, never merged."""
 
 
 class BatchingGenerator:
@@ -67,19 +72,13 @@ class BatchingGenerator:
         self._in_flight: list[_Pending] = []
         self.batches_run = 0
         self.rows_run = 0
+        self._calls = 0
         # what the model server and native rollouts read off a generator: the inner one's
         for attr in ("codec", "max_model_len", "model_name"):
             if hasattr(inner, attr):
                 setattr(self, attr, getattr(inner, attr))
 
-    @property
-    def policy_version(self) -> int:
-        """The wrapped generator's policy version (never a stale copy)."""
-        return self.inner.policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.inner.policy_version = version
+    policy_version = wrapped_policy_version("inner")
 
     def _ensure_worker(self) -> asyncio.Queue[_Pending]:
         loop = asyncio.get_running_loop()
@@ -93,7 +92,8 @@ class BatchingGenerator:
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         queue = self._ensure_worker()
         loop = asyncio.get_running_loop()
-        pending = [_Pending(i, sampling, loop.create_future()) for i in inputs]
+        self._calls += 1
+        pending = [_Pending(i, sampling, loop.create_future(), self._calls) for i in inputs]
         for p in pending:
             queue.put_nowait(p)
         return list(await asyncio.gather(*(p.future for p in pending)))
@@ -113,11 +113,12 @@ class BatchingGenerator:
                     batch.append(await asyncio.wait_for(queue.get(), timeout))
                 except TimeoutError:
                     break
-            groups: dict[SamplingConfig, list[_Pending]] = {}
+            groups: dict[tuple[SamplingConfig, int], list[_Pending]] = {}
             for p in batch:
                 if not p.future.cancelled():
-                    groups.setdefault(p.sampling, []).append(p)
-            for sampling, group in groups.items():
+                    key = (p.sampling, p.call if p.sampling.seed is not None else 0)
+                    groups.setdefault(key, []).append(p)
+            for (sampling, _), group in groups.items():
                 await self._run_group(sampling, group)
 
     async def _run_group(self, sampling: SamplingConfig, group: list[_Pending]) -> None:

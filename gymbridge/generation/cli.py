@@ -2,8 +2,13 @@
 
 ::
 
-    gymbridge model serve --tiny [--seed S] [--host H] [--port P]
+    gymbridge model serve --tiny [--seed S] [--host H] [--port P] [--enable-weight-updates]
     gymbridge model serve --model PATH [--backend hf|vllm] [--host H] [--port P]
+
+``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
+weight group with the server and publishes each policy version (otherwise they answer 403);
+``--prompt-seed S`` seeds unseeded requests per prompt (``PromptSeededGenerator``), as the smoke
+launcher does in its own process.
 
 :func:`add_model_commands` adds the ``model`` group's subcommands to an
 ``argparse`` sub-parser (the CLI's dispatch table points at it);
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_model_commands", "build_generator", "main"]
+__all__ = ["add_model_commands", "build_generator", "main", "weight_sink_for"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +51,14 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--no-reasoning-parser",
         action="store_true",
         help="leave <think> blocks in message content (for vllm_model with uses_reasoning_parser: false)",
+    )
+    p.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="accept new policy weights from a trainer (POST /weights/*; refused otherwise)",
+    )
+    p.add_argument(
+        "--prompt-seed", type=int, default=None, help="seed unseeded requests per prompt (reproducible runs)"
     )
     p.add_argument("--allowed-local-root", action="append", default=[], help="media: allowed file:// root")
     p.add_argument("--allowed-http-host", action="append", default=[], help="media: allowed http(s) host")
@@ -74,6 +87,19 @@ def build_generator(args: argparse.Namespace) -> Any:
     )
 
 
+def weight_sink_for(generator: Any) -> Any:
+    """The :class:`~gymbridge.generation.weights.WeightSink` that loads weights into ``generator``."""
+    from gymbridge.generation.hf import HFGenerator
+
+    if isinstance(generator, HFGenerator):
+        from gymbridge.generation.weights import WeightReceiver
+
+        return WeightReceiver(generator)
+    from gymbridge.generation.vllm import VLLMWeightSink
+
+    return VLLMWeightSink(generator)
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.media import MediaPolicy
@@ -90,7 +116,15 @@ async def _serve(args: argparse.Namespace) -> None:
         allowed_local_roots=tuple(Path(r) for r in args.allowed_local_root),
         allowed_http_hosts=tuple(args.allowed_http_host),
     )
-    server = ModelServer(generator, config=config, media_policy=policy)
+    sink: Any = None
+    if args.enable_weight_updates:
+        sink = weight_sink_for(generator)
+    served: Any = generator
+    if args.prompt_seed is not None:
+        from gymbridge.bridge.shaping import PromptSeededGenerator
+
+        served = PromptSeededGenerator(generator, args.prompt_seed)
+    server = ModelServer(served, config=config, media_policy=policy, weight_sink=sink)
     url = await server.start(args.host, args.port)
     print(f"serving on {url} (OpenAI base URL {url}/v1)", flush=True)
     stop = asyncio.Event()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from gymbridge.generation.types import Generation, SamplingConfig
+from gymbridge.generation.types import Generation, SamplingConfig, wrapped_policy_version
 from gymbridge.trajectory.types import GenerationInput
 
 __all__ = ["ScoringGenerator", "ScriptedGenerator"]
@@ -51,14 +51,7 @@ class ScriptedGenerator:
             if hasattr(inner, attr):
                 setattr(self, attr, getattr(inner, attr))
 
-    @property
-    def policy_version(self) -> int:
-        """The wrapped generator's policy version (forced calls are stamped by it too)."""
-        return self.inner.policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.inner.policy_version = version
+    policy_version = wrapped_policy_version("inner")
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         out: list[Generation] = []

@@ -12,20 +12,44 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
   ``choices[0].token_ids``, ``logprobs.content[].token == "token_id:<id>"`` (with
   ``return_tokens_as_token_ids``), tool calls under ``message.tool_calls``,
   reasoning under ``reasoning_content`` / ``reasoning`` (``reasoning_parser=True``,
-  like vLLM started with ``--reasoning-parser``). A prompt over the context window
+  like vLLM started with ``--reasoning-parser``), and a top-level ``policy_version`` (an
+  extra key vLLM does not send; clients ignore it). A prompt over the context window
   gets vLLM's HTTP 400 (``"This model's maximum context length is N tokens..."``),
   which ``vllm_model`` turns into an empty ``length`` completion.
 * ``POST /tokenize`` (vLLM's shape: ``{count, max_model_len, tokens}``),
   ``GET /v1/models``, and ``GET /``, ``/health``, ``/livez``, ``/healthz``,
   ``/readyz``. Paths may arrive prefixed ``/ng-rollout/<id>``.
+* Weight updates (only with a ``weight_sink``, i.e. ``--enable-weight-updates``; otherwise
+  403): ``POST /weights/init_group`` (the trainer's store address, world size, backend and
+  weight layout; 400 listing every layout mismatch, else 202 and the server joins the group
+  in the background), ``POST /weights/update`` (``version`` + ``buckets``: names, shapes,
+  dtypes; 202 once checked, then the buckets are received and loaded, and the version is
+  marked loaded in the group's store), ``GET /weights/status``. See
+  :mod:`gymbridge.trainer.weight_sync`.
 
 Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
 under the server's ``MediaPolicy``; ``n`` must be 1; concurrent requests are
 batched into the generator (:class:`BatchingGenerator`, unless the backend batches
-concurrent calls itself, like vLLM); every bad request gets a
+concurrent calls itself, like vLLM); a seeded request is never batched with another
+call, so it gets the answer it would get alone; every bad request gets a
 4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``
 and is logged, never a crash; unexpected failures are a 500 with the same shape.
+
+Bad input is a 4xx, never a 5xx (docs/security.md): a body over
+``max_body_bytes`` is 413; JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
+400; ``temperature`` outside ``[0, MAX_TEMPERATURE]`` (or not finite), ``top_p``
+outside ``(0, 1]``, a ``seed`` outside 64 bits, ``stop_token_ids`` outside ``[0, 2**31)``
+400 (a temperature in ``(0, 1e-5)`` is greedy, as vLLM treats it). A prompt whose
+text alone cannot fit the context (its characters over the longest token's length
+already exceed ``max_model_len``) is refused before it is tokenized.
+
+Request preparation (media decoding, chat template, tokenizer) runs in the server's
+own bounded thread pools, off the event loop and off the default executor:
+``prepare_threads`` threads build and render every request, and requests with media
+decode and render in a separate pool of ``media_threads`` threads, so at most that many
+images are decoded at once (the memory bound) and text-only requests never wait
+behind image decoding.
 """
 
 from __future__ import annotations
@@ -33,17 +57,19 @@ from __future__ import annotations
 import asyncio
 import copy
 import logging
+import math
 import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
-from gymbridge.errors import MediaError, MediaFetchError, ProtocolError
+from gymbridge.errors import MediaError, MediaFetchError, ProtocolError, WeightSyncError
 from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import (
     ChatCodec,
@@ -54,10 +80,12 @@ from gymbridge.generation.chat import (
 )
 from gymbridge.generation.outputs import chat_message, response_items
 from gymbridge.generation.types import ContextLengthError, Generation, Generator, SamplingConfig
+from gymbridge.limits import loads_json
 from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
 from gymbridge.trajectory.types import GenerationInput
 
 if TYPE_CHECKING:
+    from gymbridge.generation.weights import WeightSink
     from gymbridge.media import MediaPolicy
 
 logger = logging.getLogger(__name__)
@@ -95,15 +123,36 @@ class ModelServerConfig:
     batching: bool = True
     max_batch_size: int = 64
     batch_window_s: float = 0.002
+    max_body_bytes: int = 256 * 1024 * 1024
+    """Larger request bodies answer 413 (verify-sized payloads carry images as data URLs)."""
+    prepare_threads: int = 4
+    """Threads that build and tokenize requests (the server's own pool, not the default executor)."""
+    media_threads: int = 2
+    """Threads that decode media and render requests carrying media: at most this many
+    requests hold images being decoded at once (docs/security.md gives the memory budget)."""
 
 
-def _number(body: Mapping[str, Any], key: str, default: float) -> float:
+MAX_TEMPERATURE = 100.0
+"""Largest accepted temperature: beyond it the scaled logits are numerically meaningless."""
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""Temperatures in ``(0, 1e-5)`` are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
+1e-300 overflows to inf / NaN."""
+
+
+def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    """``body[key]`` as a finite float in ``[lo, hi]`` (400 otherwise; huge ints included)."""
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _BadRequest(f"'{key}' must be a number")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and lo <= number <= hi):
+        raise _BadRequest(f"'{key}' must be a finite number in [{lo:g}, {hi:g}], got {value!r}")
+    return number
 
 
 def _chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -137,7 +186,8 @@ class ModelServer:
     """An aiohttp model server over ``generator``; see the module docstring.
 
     ``codec`` defaults to ``generator.codec``; ``media_policy`` (default
-    ``MediaPolicy()``) governs every media part of every request.
+    ``MediaPolicy()``) governs every media part of every request; ``weight_sink`` (default
+    none: the ``/weights/*`` routes answer 403) receives the trainer's weights.
     """
 
     def __init__(
@@ -147,6 +197,7 @@ class ModelServer:
         codec: ChatCodec | None = None,
         config: ModelServerConfig | None = None,
         media_policy: MediaPolicy | None = None,
+        weight_sink: WeightSink | None = None,
     ) -> None:
         codec = codec if codec is not None else getattr(generator, "codec", None)
         if not isinstance(codec, ChatCodec):
@@ -172,8 +223,19 @@ class ModelServer:
 
             media_policy = MediaPolicy()
         self.media_policy = media_policy
+        if self.config.prepare_threads < 1 or self.config.media_threads < 1:
+            raise ValueError("prepare_threads and media_threads must be >= 1")
+        self._prepare_pool = ThreadPoolExecutor(self.config.prepare_threads, thread_name_prefix="gb-prepare")
+        self._media_pool = ThreadPoolExecutor(self.config.media_threads, thread_name_prefix="gb-media")
+        self._max_token_chars = _longest_token_chars(self.codec)
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
+        self.weight_sink = weight_sink
+        self._weight_task: asyncio.Task[None] | None = None
+        self._weight_error: str | None = None
+        self._weight_syncs = 0
+        self._last_sync_s = 0.0
+        self._group_ready = False
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/"): self._health,
             ("GET", "/health"): self._health,
@@ -184,19 +246,28 @@ class ModelServer:
             ("POST", "/v1/chat/completions"): self._chat_completions,
             ("POST", "/v1/responses"): self._responses,
             ("POST", "/tokenize"): self._tokenize,
+            ("POST", "/weights/init_group"): self._weights_init_group,
+            ("POST", "/weights/update"): self._weights_update,
+            ("GET", "/weights/status"): self._weights_status,
         }
 
     # ------------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=256 * 1024 * 1024)
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         app.router.add_route("*", "/{tail:.*}", self._dispatch)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_cleanup(self, _app: web.Application) -> None:
+        if self._weight_task is not None and not self._weight_task.done():
+            self._weight_task.cancel()
+        if self.weight_sink is not None:
+            self.weight_sink.close()
         if isinstance(self.generator, BatchingGenerator):
             await self.generator.aclose()
+        self._prepare_pool.shutdown(wait=False, cancel_futures=True)
+        self._media_pool.shutdown(wait=False, cancel_futures=True)
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0 = a free port); return the base URL (without ``/v1``)."""
@@ -241,6 +312,9 @@ class ModelServer:
             return _error(str(exc), status=exc.status, kind=exc.kind)
         except ContextLengthError as exc:
             return _error(str(exc), status=400, kind="BadRequestError")
+        except WeightSyncError as exc:
+            logger.warning("%s %s -> 400: %s", request.method, path, exc)
+            return _error(str(exc), status=400, kind="WeightSyncError")
         except MediaFetchError as exc:
             status = 503 if exc.retryable else 400
             return _error(f"media: {exc}", status=status, kind="MediaFetchError")
@@ -254,11 +328,18 @@ class ModelServer:
             return _error(f"{type(exc).__name__}: {exc}", status=500, kind="InternalServerError")
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        raw = await request.read()
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise _BadRequest(f"the request body is not valid JSON: {exc}") from exc
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            raise _BadRequest(
+                f"the request body is over the server's limit of {self.config.max_body_bytes} bytes",
+                status=413,
+                kind="RequestEntityTooLarge",
+            ) from exc
+        try:
+            body = loads_json(raw, "the request body")
+        except ProtocolError as exc:
+            raise _BadRequest(str(exc)) from exc
         if not isinstance(body, dict):
             raise _BadRequest("the request body must be a JSON object")
         if body.get("stream"):
@@ -276,14 +357,19 @@ class ModelServer:
             raise _BadRequest("'stop' strings are not supported; use 'stop_token_ids'")
         stop_ids = body.get("stop_token_ids") or []
         if not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in stop_ids
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in stop_ids
         ):
-            raise _BadRequest("'stop_token_ids' must be a list of integers")
+            raise _BadRequest("'stop_token_ids' must be a list of integers in [0, 2**31)")
         seed = _int_or_none(body, "seed")
+        if seed is not None and not -(2**63) <= seed < 2**64:
+            raise _BadRequest(f"'seed' must fit in 64 bits, got {seed}")
+        temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
+        if temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0
         try:
             return SamplingConfig(
-                temperature=_number(body, "temperature", 1.0),
-                top_p=_number(body, "top_p", 1.0),
+                temperature=temperature,
+                top_p=_number(body, "top_p", 1.0, 5e-324, 1.0),
                 max_tokens=min(self.config.default_max_tokens if max_tokens is None else max_tokens, room),
                 stop_token_ids=tuple(stop_ids),
                 seed=seed,
@@ -297,8 +383,12 @@ class ModelServer:
         tools: list[dict[str, Any]],
         kwargs: Mapping[str, Any] | None,
     ) -> GenerationInput:
-        def work() -> GenerationInput:
+        def build_checked() -> list[ChatMessage]:
             messages = build()
+            self._refuse_overlong_text(messages)
+            return messages
+
+        def work(messages: list[ChatMessage]) -> GenerationInput:
             # decode every image once: the placeholder expansion and the GenerationInput share it
             history = ConversationHistory()
             history.append((), [p for m in messages for p in m.media])
@@ -311,8 +401,27 @@ class ModelServer:
             history.append(rendered.prompt_token_ids)
             return build_generation_input(history)
 
-        # media fetches, decoding and the processor are blocking: keep them off the event loop
-        return await asyncio.to_thread(work)
+        # media fetches, decoding and the processor are blocking: keep them off the event loop, in
+        # the server's own bounded pools (a flood of huge requests cannot take the default executor)
+        loop = asyncio.get_running_loop()
+        messages = await loop.run_in_executor(self._prepare_pool, build_checked)
+        pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
+        return await loop.run_in_executor(pool, work, messages)
+
+    def _refuse_overlong_text(self, messages: list[ChatMessage]) -> None:
+        """Refuse (``ContextLengthError``) a prompt whose text alone cannot fit, before tokenizing it.
+
+        No token covers more than ``_max_token_chars`` characters, so ``chars // _max_token_chars``
+        is a lower bound of the prompt's tokens: a 10 MB prompt is refused in microseconds
+        instead of seconds of tokenization and gigabytes of token lists.
+        """
+        chars = 0
+        for m in messages:
+            chars += len(m.text) + sum(len(r) for r in m.reasoning)
+            chars += sum(len(c.name) + len(c.arguments) for c in m.tool_calls)
+        at_least = chars // self._max_token_chars
+        if at_least > self.config.max_model_len:
+            raise ContextLengthError(prompt_tokens=at_least, max_model_len=self.config.max_model_len)
 
     async def _generate(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
         return (await self.generator.generate([inp], sampling))[0]
@@ -349,7 +458,13 @@ class ModelServer:
             )
             prompt = inp.prompt_token_ids
         elif isinstance(body.get("prompt"), str):
-            prompt = self.codec.encode(body["prompt"])
+            text = body["prompt"]
+            if len(text) // self._max_token_chars > self.config.max_model_len:
+                raise ContextLengthError(
+                    prompt_tokens=len(text) // self._max_token_chars, max_model_len=self.config.max_model_len
+                )
+            loop = asyncio.get_running_loop()
+            prompt = await loop.run_in_executor(self._prepare_pool, self.codec.encode, text)
         else:
             raise _BadRequest("/tokenize needs 'messages' or a string 'prompt'")
         return _json({"count": len(prompt), "max_model_len": self.config.max_model_len, "tokens": prompt})
@@ -391,8 +506,10 @@ class ModelServer:
                     for t, lp in zip(gen.token_ids, gen.logprobs, strict=True)
                 ]
             }
+        extra = {} if gen.policy_version is None else {"policy_version": gen.policy_version}
         return _json(
-            {
+            extra
+            | {
                 "id": f"chatcmpl-{uuid.uuid4().hex}",
                 "object": "chat.completion",
                 "created": int(time.time()),
@@ -413,17 +530,12 @@ class ModelServer:
             raise _BadRequest("n must be 1")
         tools = responses_tools_to_chat(body.get("tools"))
         metadata = body.get("metadata") if isinstance(body.get("metadata"), Mapping) else None
-        inp = await self._prepare(
-            lambda: responses_to_messages(
-                body.get("input"),
-                instructions=body.get("instructions"),
-                metadata=metadata,
-                policy=self.media_policy,
-            ),
-            tools,
-            None,
+        build = lambda: responses_to_messages(  # noqa: E731 - built in the preparation pool
+            body.get("input"),
+            instructions=body.get("instructions"),
+            metadata=metadata,
+            policy=self.media_policy,
         )
-        prompt = inp.prompt_token_ids
         base = {
             "id": f"resp_{uuid.uuid4().hex}",
             "object": "response",
@@ -440,16 +552,19 @@ class ModelServer:
             "max_output_tokens": body.get("max_output_tokens"),
         }
         try:
+            inp = await self._prepare(build, tools, None)
+            prompt = inp.prompt_token_ids
             sampling = self._sampling(body, len(prompt), _int_or_none(body, "max_output_tokens"))
         except ContextLengthError as exc:
             logger.info("responses: %s", exc)
+            n = exc.prompt_tokens
             return _json(
                 base
                 | {
                     "status": "incomplete",
                     "incomplete_details": {"reason": "max_output_tokens"},
                     "output": [],
-                    "usage": {"input_tokens": len(prompt), "output_tokens": 0, "total_tokens": len(prompt)},
+                    "usage": {"input_tokens": n, "output_tokens": 0, "total_tokens": n},
                 }
             )
         gen = await self._generate(inp, sampling)
@@ -470,3 +585,128 @@ class ModelServer:
                 },
             }
         )
+
+    # ------------------------------------------------------------------ weight updates
+
+    def _sink(self) -> WeightSink:
+        if self.weight_sink is None:
+            raise _BadRequest(
+                "weight updates are disabled on this server: start it with --enable-weight-updates",
+                status=403,
+                kind="PermissionDenied",
+            )
+        return self.weight_sink
+
+    def _weights_busy(self) -> bool:
+        return self._weight_task is not None and not self._weight_task.done()
+
+    async def _run_weight_task(self, what: str, work: Awaitable[None]) -> None:
+        try:
+            await work
+        except Exception as exc:  # recorded for /weights/status; the trainer times out or sees the mark
+            self._weight_error = f"{what}: {type(exc).__name__}: {exc}"
+            logger.error("weights %s failed: %s", what, exc)
+
+    async def _weights_init_group(self, request: web.Request) -> web.Response:
+        from gymbridge.generation.weights import TensorSpec
+
+        sink = self._sink()
+        if self._weights_busy():
+            raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        body = await self._body(request)
+        host, port = body.get("host"), body.get("port")
+        if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
+            raise _BadRequest("'host' (string) and 'port' (int) are required")
+        rank_offset = _int_or_none(body, "rank_offset") or 1
+        world_size = _int_or_none(body, "world_size")
+        if world_size is None or world_size < rank_offset + sink.ranks:
+            raise _BadRequest(f"'world_size' must be >= rank_offset + {sink.ranks} (this server's ranks)")
+        backend = body.get("backend", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise _BadRequest("'backend' must be 'gloo' or 'nccl'")
+        timeout_s = _number(body, "timeout_s", 120.0, 1e-3, 86_400.0)
+        tensors = body.get("tensors")
+        if not isinstance(tensors, list):
+            raise _BadRequest("'tensors' (the trainer's weight layout) must be a list")
+        sink.check([TensorSpec.from_json(t) for t in tensors])
+        self._weight_error = None
+        self._group_ready = False
+
+        async def join() -> None:
+            await sink.join(
+                host=host,
+                port=port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                backend=backend,
+                timeout_s=timeout_s,
+            )
+            self._group_ready = True
+
+        self._weight_task = asyncio.create_task(self._run_weight_task("init_group", join()))
+        return web.json_response({"status": "joining", "ranks": sink.ranks}, status=202)
+
+    async def _weights_update(self, request: web.Request) -> web.Response:
+        from gymbridge.generation.weights import Bucket
+
+        sink = self._sink()
+        body = await self._body(request)
+        timeout_s = _number(body, "timeout_s", 120.0, 1e-3, 86_400.0)
+        if self._weight_task is not None and not self._weight_task.done():
+            # the trainer's side of a join returns as soon as both ranks are in: ours may still be
+            # finishing; a receive still running is the previous version, which must end first
+            await asyncio.wait({self._weight_task}, timeout=timeout_s)
+        if self._weights_busy():
+            raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        if not self._group_ready:
+            raise _BadRequest("no weight group: POST /weights/init_group first", status=409, kind="Conflict")
+        version = _int_or_none(body, "version")
+        if version is None or version < sink.policy_version:
+            raise _BadRequest(f"'version' must be an int >= the loaded version {sink.policy_version}")
+        raw = body.get("buckets")
+        if not isinstance(raw, list):
+            raise _BadRequest("'buckets' must be a list")
+        buckets = [Bucket.from_json(b) for b in raw]
+        sink.check([s for b in buckets for s in b.specs])
+
+        async def receive() -> None:
+            try:
+                seconds = await sink.receive(version, buckets, timeout_s=timeout_s)
+            except Exception as exc:
+                sink.mark_loaded(version, f"error: {type(exc).__name__}: {exc}")
+                raise
+            self._weight_syncs += 1
+            self._last_sync_s = seconds
+            sink.mark_loaded(version, "ok")
+
+        self._weight_task = asyncio.create_task(
+            self._run_weight_task(f"update to version {version}", receive())
+        )
+        return web.json_response({"status": "receiving", "version": version}, status=202)
+
+    async def _weights_status(self, _request: web.Request) -> web.Response:
+        sink = self._sink()
+        return _json(
+            {
+                "policy_version": sink.policy_version,
+                "ranks": sink.ranks,
+                "group_ready": self._group_ready,
+                "busy": self._weights_busy(),
+                "syncs": self._weight_syncs,
+                "last_sync_s": self._last_sync_s,
+                "error": self._weight_error,
+            }
+        )
+
+
+def _longest_token_chars(codec: ChatCodec) -> int:
+    """Characters of the longest token in the vocabulary (added tokens included; at least 1).
+
+    A byte-level BPE vocabulary spells each byte as one character, so this also bounds the
+    bytes a token covers; unknown tokenizers fall back to a generous 256.
+    """
+    try:
+        vocab = codec.tokenizer.get_vocab()
+        return max(1, max((len(t) for t in vocab), default=1))
+    except Exception:  # a tokenizer without get_vocab: a bound that is still safe for real vocabularies
+        return 256

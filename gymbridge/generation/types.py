@@ -38,6 +38,7 @@ __all__ = [
     "Generator",
     "SamplingConfig",
     "media_special_token_ids",
+    "wrapped_policy_version",
 ]
 
 FinishReason = Literal["stop", "length"]
@@ -113,6 +114,23 @@ class Generator(Protocol):
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         """Generate one :class:`Generation` per input, in order."""
         ...
+
+
+def wrapped_policy_version(inner: str) -> Any:
+    """A ``policy_version`` property for a wrapper generator: the wrapped one's (``self.<inner>``).
+
+    Read and written through, so a wrapper never holds a stale copy and a publisher that sets
+    the wrapper's version sets the wrapped generator's. Typed ``Any`` so that the class
+    attribute satisfies :class:`Generator`'s ``policy_version: int``.
+    """
+
+    def get(self: Any) -> int:
+        return int(getattr(self, inner).policy_version)
+
+    def put(self: Any, version: int) -> None:
+        getattr(self, inner).policy_version = version
+
+    return property(get, put, doc="The wrapped generator's policy version (read and written through).")
 
 
 class ContextLengthError(GymbridgeError):

@@ -22,7 +22,10 @@ A prompt that does not extend the previous one, or media that are not the previo
 media plus new ones, raise ``TrajectoryError`` (the invariant is checked, not hoped).
 
 Every HTTP call to the environment has a deadline (``timeout_s``); environment
-failures surface as ``EnvError`` subclasses.
+failures surface as ``EnvError`` subclasses (an environment that lost the session:
+``EnvSessionLostError``). Only the tools the row offers are ever called, never a
+protocol route (as in ``SimpleAgent``); rows and answers nested deeper than
+``gymbridge.limits.MAX_JSON_DEPTH`` are ``ProtocolError`` s.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import httpx
 
 from gymbridge.errors import (
     EnvServerError,
+    EnvSessionLostError,
     EnvTimeoutError,
     EnvTransportError,
     GymbridgeError,
@@ -49,9 +53,12 @@ from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
 from gymbridge.generation.outputs import response_items
 from gymbridge.generation.types import ContextLengthError, Generator, SamplingConfig
+from gymbridge.limits import check_json_depth, loads_json
+from gymbridge.server._base import ERROR_HEADER, SESSION_LOST
 from gymbridge.server._episode import (
     GymnasiumEpisode,
     ToolEpisode,
+    offered_tool_names,
     tool_call_request,
     tool_output_items,
 )
@@ -194,7 +201,7 @@ class _Env:
 
     async def post(self, path: str, payload: Any, *, ok_only: bool = True) -> httpx.Response:
         try:
-            content = json.dumps(payload, allow_nan=False)
+            content = json.dumps(check_json_depth(payload, f"POST {path} payload"), allow_nan=False)
         except ValueError as exc:
             raise ProtocolError(f"POST {path}: the payload holds NaN or infinity: {exc}") from exc
         try:
@@ -205,6 +212,14 @@ class _Env:
             raise EnvTimeoutError(f"POST {path} timed out", server=self.base_url) from exc
         except httpx.HTTPError as exc:
             raise EnvTransportError(f"POST {path} failed: {exc}", server=self.base_url) from exc
+        if reply.status_code == 409 and reply.headers.get(ERROR_HEADER) == SESSION_LOST:
+            raise EnvSessionLostError(
+                f"POST {path}: the environment no longer knows this rollout's session "
+                f"(restarted or evicted): {reply.text[:300]}",
+                status=409,
+                body=reply.text[:4000],
+                server=self.base_url,
+            )
         if ok_only and reply.status_code >= 400:
             raise EnvServerError(
                 f"POST {path} answered HTTP {reply.status_code}: {reply.text[:300]}",
@@ -217,10 +232,10 @@ class _Env:
     async def post_json(self, path: str, payload: Any) -> Any:
         reply = await self.post(path, payload)
         try:
-            return reply.json()
-        except ValueError as exc:
+            return loads_json(reply.content, f"POST {path} answer")
+        except ProtocolError as exc:
             raise EnvServerError(
-                f"POST {path} answered a non-JSON body",
+                f"POST {path} answered a non-JSON or too deeply nested body: {exc}",
                 status=reply.status_code,
                 body=reply.text[:4000],
                 server=self.base_url,
@@ -230,9 +245,13 @@ class _Env:
         await self.client.aclose()
 
 
-async def _tool_items(env: _Env, call: Mapping[str, Any], tool_media: str) -> list[dict[str, Any]]:
-    """The items a tool call adds: its output (and its media in a user message, by default)."""
-    request = tool_call_request(call)
+async def _tool_items(
+    env: _Env, call: Mapping[str, Any], offered: frozenset[str], tool_media: str
+) -> list[dict[str, Any]]:
+    """The items a tool call adds: its output (and its media in a user message, by default).
+
+    Only a tool the row offers is posted (:func:`~gymbridge.server._episode.tool_call_request`)."""
+    request = tool_call_request(call, offered)
     if isinstance(request, list):
         return request
     name, arguments = request
@@ -273,6 +292,7 @@ async def run_episode(
     """
     if max_turns < 1:
         raise ValueError("max_turns must be >= 1")
+    check_json_depth(row, "the row")
     rcp = row.get("responses_create_params")
     if not isinstance(rcp, Mapping):
         raise TrajectoryError("the row has no responses_create_params object")
@@ -308,12 +328,13 @@ async def _run_tools(
         episode = ToolEpisode(rcp)
     except ProtocolError as exc:
         raise TrajectoryError(str(exc)) from None
+    offered = offered_tool_names(rcp)
     for turn in range(1, max_turns + 1):
         calls = episode.add_response(await model.respond(rcp, episode.model_input()))
         if calls is None:
             break
         for call in calls:
-            episode.outputs.extend(await _tool_items(env, call, tool_media))
+            episode.outputs.extend(await _tool_items(env, call, offered, tool_media))
         if turn >= max_turns:
             episode.stop_at_max_steps()
     response = episode.response()

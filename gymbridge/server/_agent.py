@@ -15,8 +15,20 @@ Behaviour (stock Gym parity, with its known faults fixed):
 * ``responses_create_params`` is sent to the model exactly as the row gave it
   except ``input`` (genuine model servers forbid extra keys: HTTP 422);
 * model output items are replayed unchanged, token fields included;
+* the model may call only the tools the row offers
+  (``responses_create_params.tools``) and never a protocol route
+  (``seed_session``, ``verify``, ``close_session``, ``aggregate_metrics``,
+  ``reset``, ``step``, ``close``, health routes): any other name gets
+  ``{"detail": "Not Found"}`` back as its output without a request, what a stock
+  server answers for an unknown tool (stock agents post any name, which let a
+  model re-seed its own session for a full reward or call ``verify`` to read the
+  answer);
 * tool errors (non-JSON arguments, unknown tool, bad argument types, a raising
   tool) go back to the model as the error body text, as stock Gym does;
+* an environment that no longer knows the rollout's session (HTTP 409
+  ``X-Gymbridge-Error: env_session_lost``: it restarted or evicted it) ends the
+  rollout: the agent answers 409 with the same header, which the client records
+  as a failure of class ``env_session_lost`` (never a reward from an empty session);
 * a tool's media (``X-Gymbridge-Tool-Output: parts``) comes back to the model
   as input parts: by default the text in ``function_call_output`` and the
   media in a ``user`` message right after it (what chat-template model
@@ -60,11 +72,20 @@ import aiohttp
 from aiohttp import web
 
 from gymbridge.errors import EnvError, EnvServerError, EnvTimeoutError, ProtocolError
-from gymbridge.server._base import ROLLOUT_ID, GymServer, HttpError, RequestContext, json_response
+from gymbridge.server._base import (
+    ERROR_HEADER,
+    ROLLOUT_ID,
+    SESSION_LOST,
+    GymServer,
+    HttpError,
+    RequestContext,
+    json_response,
+)
 from gymbridge.server._episode import (
     GymnasiumEpisode,
     ToolEpisode,
     input_items,
+    offered_tool_names,
     tool_call_request,
     tool_output_items,
 )
@@ -131,12 +152,17 @@ class _Route:
 
 
 class _UpstreamFailure(Exception):
-    """The rollout cannot continue: answer ``status`` with a JSON-string body."""
+    """The rollout cannot continue: answer ``status`` with a JSON-string body (and ``headers``)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers
+
+
+def _session_lost(reply: Reply) -> bool:
+    return reply.status == 409 and reply.headers.get(ERROR_HEADER) == SESSION_LOST
 
 
 class SimpleAgent(GymServer):
@@ -218,7 +244,7 @@ class SimpleAgent(GymServer):
                 result = await self._run_tools(row, caller_cookies, route)
         except _UpstreamFailure as exc:
             logger.warning("%s: rollout failed: %s", self.cookie_name, exc.message)
-            return json_response(exc.message, status=exc.status)
+            return json_response(exc.message, status=exc.status, headers=exc.headers)
         return json_response(result)
 
     async def _responses_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
@@ -239,7 +265,7 @@ class SimpleAgent(GymServer):
                 response, model_cookies = await self._episode(rcp, resources_cookies, route)
         except _UpstreamFailure as exc:
             logger.warning("%s: /v1/responses failed: %s", self.cookie_name, exc.message)
-            return json_response(exc.message, status=exc.status)
+            return json_response(exc.message, status=exc.status, headers=exc.headers)
         reply = json_response(response)
         for name, value in {**resources_cookies, **model_cookies}.items():
             if name != self.cookie_name:
@@ -262,7 +288,7 @@ class SimpleAgent(GymServer):
         try:
             reply = await self._call(f"{self.resources_url}/aggregate_metrics", body, self.env_timeout_s, {})
         except _UpstreamFailure as exc:
-            return json_response(exc.message, status=exc.status)
+            return json_response(exc.message, status=exc.status, headers=exc.headers)
         return web.Response(body=reply.body, status=reply.status, content_type="application/json")
 
     # --------------------------------------------------------------- calls
@@ -286,6 +312,12 @@ class SimpleAgent(GymServer):
         model server rejects) keeps its status, so the client records a data
         failure instead of retrying; everything else answers 500, as stock Gym does.
         """
+        if _session_lost(reply):
+            raise _UpstreamFailure(
+                409,
+                f"{SESSION_LOST}: {reply.url} no longer knows this rollout's session: {reply.text[:2000]}",
+                {ERROR_HEADER: SESSION_LOST},
+            )
         try:
             reply.raise_for_status()
             return reply.json()
@@ -348,26 +380,34 @@ class SimpleAgent(GymServer):
         except ProtocolError as exc:
             raise _UpstreamFailure(422, str(exc)) from None
         model_cookies: dict[str, str] = {}
+        offered = offered_tool_names(rcp)
         for step in range(1, self.max_steps + 1):
             calls = episode.add_response(await self._model(rcp, episode.model_input(), model_cookies, route))
             if calls is None:
                 break
             for call in calls:
-                episode.outputs.extend(await self._tool(call, resources_cookies, route))
+                episode.outputs.extend(await self._tool(call, offered, resources_cookies, route))
             if step >= self.max_steps:
                 episode.stop_at_max_steps()
                 logger.info("%s: max_steps=%d reached", self.cookie_name, self.max_steps)
         return episode.response(), model_cookies
 
     async def _tool(
-        self, call: dict[str, Any], cookies: dict[str, str], route: _Route
+        self, call: dict[str, Any], offered: frozenset[str], cookies: dict[str, str], route: _Route
     ) -> list[dict[str, Any]]:
-        request = tool_call_request(call)
+        request = tool_call_request(call, offered)
         if isinstance(request, list):
             return request
         name, arguments = request
         url = f"{self.resources_url}{route.resources('/' + name)}"
         reply = await self._call(url, arguments, self.tool_timeout_s, cookies)
+        if _session_lost(reply):
+            raise _UpstreamFailure(
+                409,
+                f"{SESSION_LOST}: tool {name!r}: the environment no longer knows this rollout's session "
+                f"(restarted or evicted): {reply.text[:2000]}",
+                {ERROR_HEADER: SESSION_LOST},
+            )
         cookies.update(reply.cookies)
         if reply.status > 500:
             # 502/503/504 from a proxy or an overloaded server is infrastructure, not the model's doing.

@@ -18,8 +18,17 @@ Invariants:
   agent's ``/run``, a model call) store nothing per request;
 * a handler is cancelled when its client disconnects (``handler_cancellation``),
   so a caller's deadline also stops the work it started downstream;
+* a call that continues a session (``RequestContext.existing_session``: tool calls,
+  ``verify``, ``step``) with a cookie this server cannot continue answers 409 with
+  ``X-Gymbridge-Error: env_session_lost``, never a fresh empty session. Minted ids
+  are ``<token>.<HMAC under a per-instance key>``, so "not stored yet" (minted here,
+  first use opens it) is told apart from "unknown" (minted by an earlier incarnation,
+  i.e. before a restart, or by someone else) and from "evicted" (the last ``max_sessions``
+  evicted ids are remembered). A session the client closed (``close_session``) is not an
+  error to continue: it starts afresh, as stock Gym does;
 * no request kills the server: unknown paths answer 404, wrong methods 405,
-  malformed JSON 400, and an unexpected exception in a handler becomes a 500
+  malformed JSON or JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
+  400, and an unexpected exception in a handler becomes a 500
   whose body is a JSON string (``repr`` of the exception), as stock Gym does.
 """
 
@@ -27,6 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
+import hmac
 import logging
 import re
 import secrets
@@ -39,8 +50,14 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gymbridge.errors import EnvSessionLostError, ProtocolError
+from gymbridge.limits import loads_json
+
 __all__ = [
+    "ERROR_HEADER",
     "MAX_BODY_BYTES",
+    "RESERVED_TOOL_NAMES",
+    "SESSION_LOST",
     "GymServer",
     "HttpError",
     "RequestContext",
@@ -62,6 +79,26 @@ ROLLOUT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 """Stock Gym's rollout-id pattern (a path segment and a file-name component)."""
 ROLLOUT_PREFIX = re.compile(rf"^/ng-rollout/(?P<rollout_id>{ROLLOUT_ID.pattern.strip('^$')})(?P<rest>/.*)?$")
 HEALTH_PATHS = ("/", "/livez", "/healthz", "/readyz", "/health")
+RESERVED_TOOL_NAMES = frozenset(
+    {
+        "seed_session",
+        "verify",
+        "close_session",
+        "aggregate_metrics",
+        "reset",
+        "step",
+        "close",
+        "tools",
+        "run",
+        *(p.strip("/") for p in HEALTH_PATHS),
+    }
+)
+"""Protocol routes no tool may take: the SDK refuses to register them, agents refuse to call them
+(a model that calls ``seed_session`` or ``verify`` as a tool could set its own reward or read the
+answer). ``""`` stands for ``/``."""
+SESSION_LOST = EnvSessionLostError.failure_class
+"""Failure class (and ``X-Gymbridge-Error`` value) of a request whose session the server does not know."""
+ERROR_HEADER = EnvSessionLostError.header
 COOKIE_VALUE = re.compile(r"^[A-Za-z0-9_.~-]+$")
 """A session id that needs no quoting in ``Set-Cookie`` (every id this server mints)."""
 COOKIE_ATTRIBUTES = "; HttpOnly; Path=/; SameSite=Lax"
@@ -69,12 +106,13 @@ EVICTION_LOG_EVERY = 10_000
 
 
 class HttpError(Exception):
-    """Raised by a handler to answer with ``status`` and a JSON ``payload``."""
+    """Raised by a handler to answer with ``status``, a JSON ``payload`` and optional ``headers``."""
 
-    def __init__(self, status: int, payload: Any) -> None:
+    def __init__(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
         super().__init__(f"HTTP {status}: {payload!r}")
         self.status = status
         self.payload = payload
+        self.headers = headers
 
 
 @dataclass
@@ -95,7 +133,17 @@ class RequestContext:
     to the client: the same cookie comes back either way.
     """
 
-    __slots__ = ("_body", "_open", "_session", "path", "request", "rollout_id", "session_id")
+    __slots__ = (
+        "_body",
+        "_known",
+        "_open",
+        "_session",
+        "cookie_given",
+        "path",
+        "request",
+        "rollout_id",
+        "session_id",
+    )
 
     def __init__(
         self,
@@ -104,12 +152,18 @@ class RequestContext:
         rollout_id: str | None,
         session_id: str,
         open_session: Callable[[str], Session] | None = None,
+        *,
+        cookie_given: bool = False,
+        known_session: Callable[[str], bool] | None = None,
     ) -> None:
         self.request = request
         self.path = path
         self.rollout_id = rollout_id
         self.session_id = session_id
+        self.cookie_given = cookie_given
+        """True when the request carried this server's session cookie (False: a fresh id was minted)."""
         self._open = open_session
+        self._known = known_session
         self._session: Session | None = None
         self._body: bytes | None = None
 
@@ -119,6 +173,30 @@ class RequestContext:
         if self._session is None:
             self._session = self._open(self.session_id) if self._open else Session(id=self.session_id)
         return self._session
+
+    def existing_session(self) -> Session:
+        """The session of a call that continues one (a tool call, ``verify``, ``step``).
+
+        A request without a cookie gets a fresh session (stateless clients, stock
+        behaviour); a cookie the server does not know (it restarted or evicted
+        the session) answers 409 ``env_session_lost``: answering from a fresh empty
+        session would score a rollout against state it never had.
+        """
+        known = self._known
+        if self._session is None and self.cookie_given and known is not None and not known(self.session_id):
+            raise HttpError(
+                409,
+                {
+                    "detail": (
+                        f"unknown session {self.session_id[:64]!r}: this server holds no session for "
+                        "the cookie (it restarted or evicted the session); "
+                        "start a new rollout with seed_session or reset"
+                    ),
+                    "error": SESSION_LOST,
+                },
+                headers={ERROR_HEADER: SESSION_LOST},
+            )
+        return self.session
 
     async def body_bytes(self) -> bytes:
         if self._body is None:
@@ -131,9 +209,9 @@ class RequestContext:
         if not raw.strip():
             raise HttpError(400, {"detail": "request body is empty; expected JSON"})
         try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise HttpError(400, {"detail": f"request body is not valid JSON: {exc}"}) from None
+            return loads_json(raw, "request body")
+        except ProtocolError as exc:
+            raise HttpError(400, {"detail": str(exc)}) from None
 
     async def json_object(self) -> dict[str, Any]:
         """The JSON body, which must be an object (422 otherwise, as FastAPI answers)."""
@@ -175,6 +253,12 @@ class GymServer:
         self.max_sessions = max_sessions
         self._routes: dict[str, dict[str, Handler]] = {}
         self._sessions: OrderedDict[str, Session] = OrderedDict()
+        # Minted session ids carry an HMAC under this instance's key, so a cookie minted by an earlier
+        # incarnation (a restart) or another server is told apart from one minted here but not stored yet.
+        self._session_key = secrets.token_bytes(16)
+        self._dropped: OrderedDict[str, None] = OrderedDict()
+        """Ids evicted from the full store (the last ``max_sessions``): continuing one is
+        ``env_session_lost``. A session its client closed is not remembered: the client ended it."""
         self.evicted_sessions = 0
         """Sessions dropped because the store was full (logged on the first and every 10,000th)."""
         for path in HEALTH_PATHS:
@@ -218,7 +302,28 @@ class GymServer:
         return self._sessions.get(session_id)
 
     def drop_session(self, session_id: str) -> bool:
+        """Forget a session its client closed (a later call with its cookie starts afresh, as stock)."""
         return self._sessions.pop(session_id, None) is not None
+
+    def _remember_dropped(self, session_id: str) -> None:
+        self._dropped[session_id] = None
+        while len(self._dropped) > self.max_sessions:
+            self._dropped.popitem(last=False)
+
+    def _mint_session_id(self) -> str:
+        token = secrets.token_urlsafe(18)
+        return f"{token}.{self._sign(token)}"
+
+    def _sign(self, token: str) -> str:
+        return hmac.new(self._session_key, token.encode(), hashlib.sha256).hexdigest()[:20]
+
+    def session_usable(self, session_id: str) -> bool:
+        """True when a call may continue ``session_id``: it is stored, or this instance minted
+        it and never evicted it (a session enters the store on first use)."""
+        if session_id in self._sessions:
+            return True
+        token, _, sig = session_id.rpartition(".")
+        return bool(token) and hmac.compare_digest(sig, self._sign(token)) and session_id not in self._dropped
 
     @property
     def num_sessions(self) -> int:
@@ -232,8 +337,10 @@ class GymServer:
             return found
         session = Session(id=session_id)
         self._sessions[session_id] = session
+        self._dropped.pop(session_id, None)
         while len(self._sessions) > self.max_sessions:
             evicted, _ = self._sessions.popitem(last=False)
+            self._remember_dropped(evicted)
             self.evicted_sessions += 1
             # Once full, every new session evicts one: a line per eviction would flood the log.
             if self.evicted_sessions == 1 or self.evicted_sessions % EVICTION_LOG_EVERY == 0:
@@ -269,14 +376,26 @@ class GymServer:
         if is_health:
             ctx = RequestContext(request, path, rollout_id, "")
         else:
-            session_id = request.cookies.get(self.cookie_name) or secrets.token_urlsafe(18)
-            ctx = RequestContext(request, path, rollout_id, session_id, self._open_session)
+            given = request.cookies.get(self.cookie_name)
+            ctx = RequestContext(
+                request,
+                path,
+                rollout_id,
+                given or self._mint_session_id(),
+                self._open_session,
+                cookie_given=bool(given),
+                known_session=self.session_usable,
+            )
         try:
             response = await handler(ctx)
         except HttpError as exc:
-            response = json_response(exc.payload, status=exc.status)
+            response = json_response(exc.payload, status=exc.status, headers=exc.headers)
         except asyncio.CancelledError:
             raise
+        except web.HTTPRequestEntityTooLarge:
+            response = json_response(
+                {"detail": f"request body is over the server's limit of {MAX_BODY_BYTES} bytes"}, status=413
+            )
         except web.HTTPException:
             raise
         except Exception as exc:

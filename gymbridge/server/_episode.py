@@ -8,10 +8,11 @@ answer into conversation items lives here, once:
 * :func:`input_items` — ``responses_create_params.input`` as a list of items;
 * :func:`observation_message` — a ``/reset`` or ``/step`` observation as a user
   message (``observation_content`` parts preferred over the ``observation`` text);
-* :func:`tool_call_request` / :func:`tool_output_items` — a ``function_call`` item
-  to the tool's (name, arguments), and a tool's answer back to items (stock error
-  bodies for non-JSON arguments and bad names; media parts in a user message
-  after the output by default);
+* :func:`offered_tool_names` / :func:`tool_call_request` / :func:`tool_output_items` —
+  the tools a row offers, a ``function_call`` item to the tool's (name, arguments)
+  (only an offered tool, never a protocol route), and a tool's answer back to items
+  (stock error bodies for non-JSON arguments and unknown names; media parts in a user
+  message after the output by default);
 * :class:`ToolEpisode` — the tool-style state machine: each model response
   either asks for tool calls or ends the episode (an answer; ``incomplete`` on
   ``incomplete_details``, reasoning-only or empty output, or ``max_steps``);
@@ -29,6 +30,7 @@ produced are the same, in the same order, whichever loop asked.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -37,6 +39,9 @@ from typing import Any
 import orjson
 
 from gymbridge.errors import ProtocolError
+from gymbridge.server._base import RESERVED_TOOL_NAMES
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "GymnasiumEpisode",
@@ -45,6 +50,7 @@ __all__ = [
     "add_usage",
     "input_items",
     "observation_message",
+    "offered_tool_names",
     "tool_call_request",
     "tool_output_items",
 ]
@@ -81,12 +87,38 @@ def _output(call_id: Any, output: Any) -> dict[str, Any]:
     return {"type": "function_call_output", "call_id": call_id, "output": output}
 
 
-def tool_call_request(call: Mapping[str, Any]) -> tuple[str, Any] | list[dict[str, Any]]:
+def offered_tool_names(rcp: Mapping[str, Any]) -> frozenset[str]:
+    """The function tools a row offers (``responses_create_params.tools``), less reserved routes.
+
+    Responses-API tools (``{"type": "function", "name": ...}``) and chat-style ones
+    (``{"type": "function", "function": {"name": ...}}``) both count; a protocol route
+    (:data:`~gymbridge.server._base.RESERVED_TOOL_NAMES`) never does, even when a row lists it.
+    """
+    tools = rcp.get("tools")
+    if not isinstance(tools, list):
+        return frozenset()
+    names: set[str] = set()
+    for spec in tools:
+        if not isinstance(spec, Mapping) or spec.get("type", "function") != "function":
+            continue
+        name = spec.get("name")
+        if name is None and isinstance(spec.get("function"), Mapping):
+            name = spec["function"].get("name")
+        if isinstance(name, str) and TOOL_NAME.match(name) and name not in RESERVED_TOOL_NAMES:
+            names.add(name)
+    return frozenset(names)
+
+
+def tool_call_request(
+    call: Mapping[str, Any], offered: frozenset[str]
+) -> tuple[str, Any] | list[dict[str, Any]]:
     """``(tool name, parsed arguments)`` to POST, or the items that answer the call without a request.
 
-    Stock Gym's answers are kept: non-JSON arguments get
-    ``{"error": "Invalid tool call arguments: ..."}``, a name that is not a
-    plain path segment gets ``{"detail": "Not Found"}`` (what a server says).
+    Only a tool in ``offered`` (:func:`offered_tool_names` of the row) is ever posted: a
+    model that names a protocol route (``seed_session``, ``verify``, ``close_session``,
+    ...) or any tool the row did not offer gets ``{"detail": "Not Found"}`` back as the
+    tool's output, what a stock server answers for an unknown tool. Stock Gym's other
+    answers are kept: non-JSON arguments get ``{"error": "Invalid tool call arguments: ..."}``.
     """
     call_id = call.get("call_id")
     name = str(call.get("name", ""))
@@ -94,7 +126,9 @@ def tool_call_request(call: Mapping[str, Any]) -> tuple[str, Any] | list[dict[st
         arguments = json.loads(call.get("arguments") or "")
     except (ValueError, TypeError) as exc:
         return [_output(call_id, json.dumps({"error": f"Invalid tool call arguments: {exc!r}"}))]
-    if not TOOL_NAME.match(name):
+    if name not in offered:
+        if name in RESERVED_TOOL_NAMES:
+            logger.warning("refused a model call to the protocol route %r as a tool", name)
         return [_output(call_id, json.dumps({"detail": "Not Found"}))]
     return name, arguments
 

@@ -33,6 +33,7 @@ import aiohttp
 import orjson
 
 from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, ProtocolError
+from gymbridge.limits import loads_json
 
 __all__ = ["Reply", "cookie_header", "get", "make_client_session", "post_json", "set_cookie_values"]
 
@@ -59,10 +60,11 @@ class Reply:
         return self.body.decode("utf-8", errors="replace")
 
     def json(self) -> Any:
+        """The parsed body; :class:`ProtocolError` when it is not JSON or nests too deep."""
         try:
-            return orjson.loads(self.body)
-        except orjson.JSONDecodeError as exc:
-            raise ProtocolError(f"{self.url}: body is not JSON ({exc}): {self.text[:200]!r}") from exc
+            return loads_json(self.body, f"{self.url}: body")
+        except ProtocolError as exc:
+            raise ProtocolError(f"{exc}: {self.text[:200]!r}") from exc
 
     def raise_for_status(self) -> None:
         if not self.ok:

@@ -22,7 +22,12 @@ style). The base class serves NeMo Gym's resources-server protocol:
 
 Status codes match stock Gym (FastAPI): bad tool arguments 422 with
 ``{"detail": [...]}``, an unknown tool 404 ``{"detail": "Not Found"}``, a tool
-that raises 500 with the JSON string ``repr(exc)``; malformed JSON 400.
+that raises 500 with the JSON string ``repr(exc)``; malformed JSON 400. One
+deliberate difference: a tool call, ``verify`` or ``step`` whose session cookie
+the server does not know (a restart, an evicted session) answers 409
+``env_session_lost`` instead of running against a fresh empty session; only
+``seed_session`` / ``reset`` start sessions. Tool names in ``RESERVED_PATHS``
+(every protocol route) are refused at class creation.
 
 Invariants: ``reward`` is a finite float; when ``reward_components`` is given
 it sums to ``reward`` (checked: a violation is a server bug, answered 500);
@@ -40,27 +45,20 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
-from gymbridge.server._base import GymServer, HttpError, RequestContext, Session, json_response
+from gymbridge.server._base import (
+    RESERVED_TOOL_NAMES,
+    GymServer,
+    HttpError,
+    RequestContext,
+    Session,
+    json_response,
+)
 from gymbridge.server._tools import PARTS_HEADER, TOOL_ATTR, ToolOutput, ToolSpec, build_spec, media_part
 
 __all__ = ["Observation", "ResourcesServer", "StepResult", "VerifyResult"]
 
-RESERVED_PATHS = frozenset(
-    {
-        "seed_session",
-        "verify",
-        "reset",
-        "step",
-        "close",
-        "close_session",
-        "aggregate_metrics",
-        "tools",
-        "health",
-        "healthz",
-        "livez",
-        "readyz",
-    }
-)
+RESERVED_PATHS = RESERVED_TOOL_NAMES
+"""Tool names the SDK refuses (protocol routes; see ``gymbridge.server._base.RESERVED_TOOL_NAMES``)."""
 
 
 @dataclass
@@ -207,7 +205,7 @@ class ResourcesServer(GymServer):
                     ]
                 },
             )
-        result = _as_verify_result(await self.verify(ctx.session, body, response))
+        result = _as_verify_result(await self.verify(ctx.existing_session(), body, response))
         return json_response(_verify_payload(type(self).__name__, body, result))
 
     async def _reset_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
@@ -219,7 +217,7 @@ class ResourcesServer(GymServer):
     async def _step_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
         body = await ctx.json_object()
         _require_keys(body, ("responses_create_params", "response"))
-        result = await self.step(ctx.session, body, body["response"])
+        result = await self.step(ctx.existing_session(), body, body["response"])
         if not math.isfinite(float(result.reward)):
             raise ValueError(f"step reward must be finite, got {result.reward!r}")
         payload = (result.observation or Observation()).payload()
@@ -247,7 +245,7 @@ class ResourcesServer(GymServer):
 
     def _tool_endpoint(self, spec: ToolSpec) -> Any:
         async def handler(ctx: RequestContext) -> web.StreamResponse:
-            result = await spec.call(self, ctx.session, await ctx.json())
+            result = await spec.call(self, ctx.existing_session(), await ctx.json())
             return _tool_response(result)
 
         return handler

@@ -2,13 +2,16 @@
 
 Public API (stable): :class:`GRPOTrainer`, :class:`GRPOConfig`, :class:`StepMetrics`,
 :func:`token_logprobs`, :func:`grpo_token_loss`, :class:`RayDPTrainer`, :func:`init_ray`,
-:func:`param_digest`, :func:`tiny_policy`; the launcher lives in
+:func:`param_digest`, :func:`tiny_policy`; the loop's pieces: :func:`train_step` (one step:
+batch, update, weight publication), :class:`RunDir` / :func:`step_record` (the run directory and
+its ``metrics.jsonl`` record), :func:`save_checkpoint` / :func:`load_checkpoint`; the launcher lives in
 :mod:`gymbridge.trainer.smoke` (``gymbridge smoke``). Ray is imported only when a
 :class:`RayDPTrainer` is made.
 """
 
 from __future__ import annotations
 
+from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
 from gymbridge.trainer.grpo import (
     GradientResult,
     GRPOConfig,
@@ -19,23 +22,32 @@ from gymbridge.trainer.grpo import (
     summarize,
     token_logprobs,
 )
+from gymbridge.trainer.loop import LoopStep, train_step
 from gymbridge.trainer.models import from_config, tiny_policy
 from gymbridge.trainer.ray_dp import DPWorker, RayDPTrainer, init_ray, param_digest, require_ray
+from gymbridge.trainer.rundir import RunDir, step_record
 
 __all__ = [
     "DPWorker",
     "GRPOConfig",
     "GRPOTrainer",
     "GradientResult",
+    "LoopStep",
     "RayDPTrainer",
+    "RunDir",
+    "RunState",
     "StepMetrics",
     "from_config",
     "grpo_token_loss",
     "init_ray",
+    "load_checkpoint",
     "media_kwargs",
     "param_digest",
     "require_ray",
+    "save_checkpoint",
+    "step_record",
     "summarize",
     "tiny_policy",
     "token_logprobs",
+    "train_step",
 ]

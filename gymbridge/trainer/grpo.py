@@ -47,6 +47,20 @@ Invariants:
   and ``steps`` does not advance;
 * the model runs in eval mode (no dropout), so the ratio is 1 when the weights have not
   changed since generation; the optimizer and model are this trainer's own.
+
+**Drift guard.** Every step reports ``ratio_mean`` and ``ratio_max_abs_log``: the mean
+importance ratio and the largest ``|new - old|`` logprob over the loss tokens of the
+*first* micro-batch, computed before any update of this step. In an on-policy run
+(``on_policy=True``; the launcher's ``rollout.max_staleness: 0``) the generator's weights
+must be the trainer's, so ``ratio_mean`` must be 1 up to numerics: when ``|ratio_mean - 1|``
+exceeds ``GRPOConfig.ratio_tolerance`` the step raises
+:class:`~gymbridge.errors.PolicyDriftError` *before* the optimizer moves (a generator that
+never received the weights fails loudly instead of training off-policy). The default
+tolerance, 1e-2, sits far above what exact synchronisation gives (fp32 HF generator and
+trainer on CPU: ``|ratio_mean - 1|`` below 1e-5, see docs/placement.md), leaving room for a bf16
+generator whose kernels differ from the trainer's (their per-token mismatch largely averages
+out over a micro-batch's tokens), and below what a generator left at the step-0 weights
+shows after a few steps.
 """
 
 from __future__ import annotations
@@ -59,10 +73,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from gymbridge.config import StrictModel
-from gymbridge.errors import TrajectoryError
+from gymbridge.errors import PolicyDriftError, TrajectoryError
 from gymbridge.generation.types import media_special_token_ids
 
 if TYPE_CHECKING:
@@ -98,6 +112,8 @@ class GRPOConfig(StrictModel):
     """Token ids the generator never samples (logits -inf): new logprobs renormalise without them.
     ``None``: the policy's media placeholder / vision boundary ids (what ``HFGenerator`` masks);
     ``[]``: no mask."""
+    ratio_tolerance: float | None = Field(1e-2, gt=0)
+    """On-policy drift guard: the step fails when ``|ratio_mean - 1|`` exceeds this (``None``: off)."""
     is_cap: float | None = None
     """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
@@ -128,10 +144,18 @@ class StepMetrics:
     approx_kl: float
     """Mean of ``old - new`` logprob over loss tokens (k1 estimator of KL(old || new))."""
     elapsed_s: float = 0.0
+    ratio_mean: float = 1.0
+    """Mean importance ratio over the loss tokens of the first micro-batch, before any update."""
+    ratio_max_abs_log: float = 0.0
+    """Largest ``|new - old|`` logprob over those tokens."""
+    policy_version: int | None = None
+    """The policy version published after this step (optimizer steps so far); set by the launcher."""
+    weight_sync_s: float = 0.0
+    """Seconds spent publishing this step's weights to the generator; set by the launcher."""
     is_capped_fraction: float = 0.0
     """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
 
 
@@ -146,6 +170,10 @@ class GradientResult:
     clipped_tokens: int
     ratio_sum: float
     kl_sum: float
+    first_ratio_mean: float = 1.0
+    """Mean ratio over the loss tokens of this part's first micro-batch (before any update)."""
+    first_max_abs_log: float = 0.0
+    """Largest ``|new - old|`` logprob over those tokens."""
     capped_tokens: int = 0
     """Tokens whose importance weight ``is_cap`` truncated."""
 
@@ -258,7 +286,7 @@ def grpo_token_loss(
     sum to the batch's token mean. ``stats`` holds ``clipped`` (tokens whose ratio was
     clipped in the active direction), ``capped`` (tokens whose importance weight ``is_cap``
     truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
-    ``ratio_sum`` and ``kl_sum`` over masked tokens.
+    ``ratio_sum``, ``kl_sum`` and ``max_abs_log`` (the largest ``|new - old|``) over masked tokens.
     """
     mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
     tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
@@ -280,6 +308,7 @@ def grpo_token_loss(
             "capped": float(capped),
             "ratio_sum": float((ratio * mask).sum()),
             "kl_sum": float((-log_ratio * mask).sum()),
+            "max_abs_log": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
         }
     return loss, stats
 
@@ -287,9 +316,18 @@ def grpo_token_loss(
 class GRPOTrainer:
     """Owns a policy model and its optimizer (AdamW); :meth:`step` runs one GRPO update."""
 
-    def __init__(self, model: Any, config: GRPOConfig | None = None, *, optimizer: Any | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        config: GRPOConfig | None = None,
+        *,
+        optimizer: Any | None = None,
+        on_policy: bool = True,
+    ) -> None:
+        """``on_policy``: rollouts come from the current weights (``max_staleness == 0``): guard the ratio."""
         self.model = model
         self.config = config or GRPOConfig()
+        self.on_policy = on_policy
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(
             self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
@@ -311,6 +349,7 @@ class GRPOTrainer:
         self.model.eval()
         loss_sum = ratio_sum = kl_sum = 0.0
         clipped = capped = 0
+        first: tuple[float, float] | None = None
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
             if float(mb.loss_mask.sum()) == 0:
                 continue
@@ -331,12 +370,38 @@ class GRPOTrainer:
             for acc, g in zip(grads, part, strict=True):
                 if g is not None:
                     acc.add_(g)
+            if first is None:
+                first = (stats["ratio_sum"] / float(mb.loss_mask.sum()), stats["max_abs_log"])
             loss_sum += float(loss.detach())
             clipped += int(stats["clipped"])
             capped += int(stats["capped"])
             ratio_sum += stats["ratio_sum"]
             kl_sum += stats["kl_sum"]
-        return GradientResult(grads, loss_sum, result.loss_tokens, clipped, ratio_sum, kl_sum, capped)
+        first_mean, first_max = first if first is not None else (1.0, 0.0)
+        return GradientResult(
+            grads,
+            loss_sum,
+            result.loss_tokens,
+            clipped,
+            ratio_sum,
+            kl_sum,
+            first_ratio_mean=first_mean,
+            first_max_abs_log=first_max,
+            capped_tokens=capped,
+        )
+
+    def check_drift(self, first: GradientResult) -> None:
+        """The drift guard (module docstring) on a step's first part; raises before any update."""
+        tol = self.config.ratio_tolerance
+        if not self.on_policy or tol is None or first.loss_tokens == 0:
+            return
+        if not abs(first.first_ratio_mean - 1.0) <= tol:  # NaN fails too
+            raise PolicyDriftError(
+                ratio_mean=first.first_ratio_mean,
+                ratio_max_abs_log=first.first_max_abs_log,
+                tolerance=tol,
+                step=self.steps + 1,
+            )
 
     def apply_gradients(self, grads: list[torch.Tensor]) -> float:
         """Set ``grads``, clip them to ``max_grad_norm`` (in place), step; returns the pre-clip norm."""
@@ -361,6 +426,7 @@ class GRPOTrainer:
         if res.loss_tokens == 0:
             log_skipped_step(batch)
             return summarize(batch, [res], 0.0, time.perf_counter() - started)
+        self.check_drift(res)
         norm = self.apply_gradients(res.grads)
         return summarize(batch, [res], norm, time.perf_counter() - started)
 
@@ -381,6 +447,8 @@ def summarize(
     tokens = sum(p.loss_tokens for p in parts)
     rows = batch.sample_mask.bool()
     # one reward per trajectory (a split trajectory has several rows sharing it)
+    # the drift numbers: the first part holding a loss token (its first micro-batch)
+    lead = next((p for p in parts if p.loss_tokens), None)
     traj_rewards: dict[int, float] = {}
     for sid, r, keep in zip(batch.sample_ids.tolist(), batch.rewards.tolist(), rows.tolist(), strict=True):
         if keep:
@@ -397,5 +465,7 @@ def summarize(
         mean_ratio=sum(p.ratio_sum for p in parts) / max(tokens, 1),
         approx_kl=sum(p.kl_sum for p in parts) / max(tokens, 1),
         elapsed_s=elapsed_s,
+        ratio_mean=lead.first_ratio_mean if lead is not None else 1.0,
+        ratio_max_abs_log=lead.first_max_abs_log if lead is not None else 0.0,
         is_capped_fraction=sum(p.capped_tokens for p in parts) / max(tokens, 1),
     )

@@ -15,6 +15,9 @@ driver's weights once. A step:
    whose state evolves identically, so the weights stay identical everywhere
    (:meth:`RayDPTrainer.param_digests` checks it).
 
+The drift guard of :mod:`gymbridge.trainer.grpo` runs on the first shard that holds a loss
+token (its first micro-batch), before the driver or any worker applies the step.
+
 Ray is imported lazily: a missing ``ray`` raises ``ImportError`` naming the ``ray`` extra.
 :func:`init_ray` starts a local Ray with ``num_cpus`` CPUs, no dashboard and
 ``RAY_AUTH_MODE=disabled`` unless one is already running.
@@ -149,6 +152,9 @@ class RayDPTrainer:
         parts: list[GradientResult] = self.ray.get(
             [w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)]
         )
+        lead = next((p for p in parts if p.loss_tokens), None)
+        if lead is not None:
+            self.trainer.check_drift(lead)  # before the driver or any worker moves
         grads = [torch.stack(gs).sum(dim=0) for gs in zip(*(p.grads for p in parts), strict=True)]
         norm = self.trainer.apply_gradients(grads)  # clips grads in place
         grads_ref = self.ray.put(grads)

@@ -198,12 +198,11 @@ def step_record(
         for traj in g.trajectories:
             for turn in traj.turns:
                 keys.update(m.key for m in turn.media)
-    record: dict[str, Any] = {"step": step, "policy_version": policy_version}
+    record: dict[str, Any] = {"step": step}
     record.update(metrics.as_dict())
-    record.setdefault("ratio_mean", metrics.mean_ratio)
-    record.setdefault("ratio_max_abs_log", None)
     record.update(
         {
+            "policy_version": policy_version,
             "env_reward_mean": extra.pop("env_reward_mean", None),
             "staleness_max": max((g.staleness for g in groups), default=0),
             "rollouts_ok": rollouts_ok,

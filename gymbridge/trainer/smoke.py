@@ -7,12 +7,16 @@ On local defaults (``configs/smoke.yaml``) it
 2. starts, in this process on 127.0.0.1 free ports: the environment server, a model server
    (:class:`~gymbridge.generation.ModelServer`) over the tiny offline Qwen2-VL, and
    gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
-   ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`;
+   ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`.
+   With ``generator.placement: process`` the model server is ``gymbridge model serve`` in a
+   child process instead (:mod:`gymbridge.trainer.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
    :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
-   ``dp_workers > 0``) updates the policy **the generator samples from** (one model object:
-   the next step is on-policy);
+   ``dp_workers > 0``) updates the policy and publishes it to the generator, which holds a
+   model of its own, as the next policy version (a copy in process, a torch.distributed
+   broadcast to a child process); the drift guard fails the run if the next step's ratio
+   says the generator did not get it;
 4. prints one line per step (environment reward and shaped reward separately, loss, tokens,
    grad norm, rollouts ok / failed, time), a summary of how the shaped reward moved from the
    first to the last step, and the payload table; and stops every server it started, on
@@ -56,7 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
+import dataclasses
 import functools
 import importlib
 import logging
@@ -74,6 +78,7 @@ from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
+from gymbridge.trainer.placement import GeneratorConfig
 from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
@@ -142,7 +147,8 @@ class SmokeConfig(StrictModel):
     chart_every: int = Field(5, ge=1)
     """Redraw ``charts/`` every N steps (and at the end); rollouts and the viewer update every step."""
     checkpoint_every: int = Field(0, ge=0)
-    """> 0: write a run checkpoint every N steps (``--resume`` continues from the latest)."""
+    """> 0: write a run checkpoint every N steps and after the last one (``--resume`` continues
+    from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
@@ -150,6 +156,8 @@ class SmokeConfig(StrictModel):
     """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
+    generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
+    """Where the generator runs (``placement: in_process | process``) and weight publication."""
 
 
 @dataclass
@@ -172,6 +180,8 @@ class SmokeResult:
     """This process's ``metrics.jsonl`` records (a resumed run: the steps it ran)."""
     resumed_from_step: int = 0
     elapsed_s: float = 0.0
+    model_server_pid: int | None = None
+    """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
 
 
 def _environments() -> ModuleType:
@@ -223,6 +233,14 @@ def _group_rewards(groups: list[Any]) -> tuple[float, float]:
     return sum(env) / len(env), sum(bonus) / len(bonus)
 
 
+def _placement_line(handle: Any, sync_s: float) -> str:
+    where = "in this process" if handle.placement == "in_process" else f"process {handle.pid}"
+    if handle.publisher is None:
+        return f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)"
+    how = "copy" if handle.placement == "in_process" else "torch.distributed broadcast"
+    return f"generator: {where}; weights published after every step ({how}); v0 in {sync_s:.3f}s"
+
+
 def _step_line(
     step: int, total: int, m: StepMetrics, ok: int, failed: int, env: float, shaped: float | None
 ) -> str:
@@ -231,8 +249,16 @@ def _step_line(
     return (
         f"step {step}/{total}  {rewards}  loss {loss:+.5f}  tokens {m.num_tokens} "
         f"(trained {m.num_loss_tokens})  grad_norm {m.grad_norm:.4f}  ratio {m.mean_ratio:.4f}  "
-        f"rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
+        f"ratio_mean {m.ratio_mean:.5f}  rollouts {ok} ok / {failed} failed  {m.elapsed_s:.2f}s train"
+        f"{_sync_text(m)}"
     )
+
+
+def _sync_text(m: StepMetrics) -> str:
+    """``  -> v3 (sync 0.021s)``: the version published after the step and what it cost."""
+    if m.policy_version is None:
+        return ""
+    return f"  -> v{m.policy_version} (sync {m.weight_sync_s:.3f}s)"
 
 
 async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resume: bool) -> SmokeResult:
@@ -242,11 +268,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         BridgeIterator,
         GymRollouts,
         NativeRollouts,
-        PromptSeededGenerator,
         ReplayBuffer,
         TokenRateShaping,
     )
-    from gymbridge.generation.hf import HFGenerator
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
@@ -256,8 +280,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config, tiny_policy
+    from gymbridge.trainer.placement import start_generator
     from gymbridge.trainer.rundir import payload_delta, step_record
-    from gymbridge.trainer.weight_sync import InProcessPublisher
 
     started = time.perf_counter()
     result = SmokeResult(run_dir=str(run.path))
@@ -271,13 +295,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
     tiny = build_tiny_vlm(cfg.model_seed)
-    policy = tiny_policy(cfg.model_seed)
-    run_ahead = cfg.rollout.max_staleness > 0
-    # on-policy: one model, the generator samples from what the trainer updates. Running ahead,
-    # the generator must not read weights the trainer is changing mid-step: it gets its own copy,
-    # and the trainer's weights are published to it after every optimizer step.
-    gen_model = copy.deepcopy(policy) if run_ahead else policy
-    generator = HFGenerator(gen_model, tiny.processor, max_model_len=cfg.max_model_len)
+    policy = tiny_policy(cfg.model_seed)  # the trainer's; the generator holds a model of its own
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -286,7 +304,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             f"tokens made of {shaping.chars!r} ({len(shaping.token_ids)} token ids)",
             file=out,
         )
-    trainer = GRPOTrainer(policy, cfg.trainer)
+    # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
+    trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.rollout.max_staleness == 0)
     step_trainer: Any = trainer
     state: RunState | None = None
     replay = ReplayBuffer(cfg.replay_capacity_groups, meter=meter) if cfg.replay_capacity_groups else None
@@ -295,9 +314,11 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         if loaded is not None:
             state, saved_replay = loaded
             replay = saved_replay if saved_replay is not None else replay
-        run.rewind(
-            last_step=state.step if state else 0, done_task_indices=state.done_task_indices if state else ()
-        )
+        if state is None or state.step < cfg.steps:  # a finished run keeps its records as they are
+            run.rewind(
+                last_step=state.step if state else 0,
+                done_task_indices=state.done_task_indices if state else (),
+            )
         print(
             f"resumed: step {state.step}/{cfg.steps}, policy version {state.policy_version}, "
             f"{len(state.done_task_indices)} row(s) done ({state.path.name})"
@@ -305,10 +326,13 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             else "resumed: no checkpoint yet, starting from step 1",
             file=out,
         )
-    if not resume:
+    if not resume:  # a resumed run's checkpoint holds the warmed-up weights
+        from gymbridge.generation.hf import HFGenerator
         from gymbridge.trainer.warmup import warmup_for_env
 
-        warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, generator, cfg.warmup)
+        # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
+        renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+        warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, renderer, cfg.warmup)
         if warm is not None:
             print(
                 f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets, "
@@ -316,17 +340,29 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 file=out,
             )
     version = state.policy_version if state is not None else 0
-    publisher = InProcessPublisher(generator)
-    publisher.publish(policy, version)  # a resumed run's weights and version
 
     async with contextlib.AsyncExitStack() as stack:
         env = await start_server(spec.make_server())
         stack.push_async_callback(env.stop)
         result.urls["environment"] = env.url
+        handle = await start_generator(
+            cfg.generator,
+            stack,
+            serve=not cfg.native,
+            model_seed=cfg.model_seed,
+            processor=tiny.processor,
+            max_model_len=cfg.max_model_len,
+            default_max_tokens=cfg.max_tokens,
+            prompt_seed=cfg.seed if cfg.reproducible and not cfg.native else None,
+            model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
+            log_dir=run.path,
+        )
+        result.model_server_pid = handle.pid
         source: Any
         if cfg.native:
+            assert handle.generator is not None  # native runs keep the generator in this process
             source = NativeRollouts(
-                generator,
+                handle.generator,
                 env.url,
                 max_turns=cfg.max_turns,
                 timeout_s=cfg.rollout_deadline_s,
@@ -335,19 +371,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             )
         else:
             from gymbridge.client import GymClient
-            from gymbridge.generation.server import ModelServer, ModelServerConfig
             from gymbridge.server import SimpleAgent
 
-            model_server = ModelServer(
-                PromptSeededGenerator(generator, cfg.seed) if cfg.reproducible else generator,
-                config=ModelServerConfig(
-                    model_name=f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
-                    max_model_len=cfg.max_model_len,
-                    default_max_tokens=cfg.max_tokens,
-                ),
-            )
-            model_url = await model_server.start()
-            stack.push_async_callback(model_server.stop)
+            model_url = str(handle.model_url)
             agent = SimpleAgent(
                 resources_url=env.url,
                 model_url=model_url,
@@ -363,6 +389,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             result.urls.update(model=model_url, agent=agent_running.url)
         stack.push_async_callback(source.aclose)
         print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
+        # version 0: the initial weights (a resumed run: its checkpoint's weights and version)
+        sync_s = await asyncio.to_thread(handle.publish, policy, version)
+        print(_placement_line(handle, sync_s), file=out)
 
         if cfg.dp_workers > 0:
             from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
@@ -397,14 +426,18 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             reward_fn=shaping,
             max_staleness=cfg.rollout.max_staleness,
             skip_task_indices=state.done_task_indices if state is not None else (),
+            # on-policy with the drift guard on, a lagging generator must fail the step loudly
+            drop_stale=cfg.rollout.max_staleness > 0 or cfg.trainer.ratio_tolerance is None,
         )
         stack.push_async_callback(bridge.aclose)
         artifacts = RunArtifacts(run.path, decode=tiny.tokenizer.decode, chart_every=cfg.chart_every)
         first = state.step + 1 if state is not None else 1
         result.resumed_from_step = first - 1
+        if first > cfg.steps:
+            print(f"nothing left to run: all {cfg.steps} step(s) are done", file=out)
         bar = tqdm(total=cfg.steps, initial=first - 1, desc="smoke", unit="step", disable=not progress)
         stack.callback(bar.close)
-        publish = functools.partial(publisher.publish, policy)
+        publish = functools.partial(handle.publish, policy)
         for step in range(first, cfg.steps + 1):
             before_ok, before_failed = bridge.stats.rollouts_ok, bridge.stats.rollouts_failed
             payload_before = meter.report()
@@ -412,7 +445,10 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             if done is None:
                 print(f"the dataset ran out after {step - 1} step(s)", file=out)
                 break
-            metrics, version = done.metrics, done.policy_version
+            version = done.policy_version
+            metrics = dataclasses.replace(
+                done.metrics, policy_version=version, weight_sync_s=done.weight_sync_s
+            )
             result.steps.append(metrics)
             ok = bridge.stats.rollouts_ok - before_ok
             failed = bridge.stats.rollouts_failed - before_failed
@@ -441,10 +477,12 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             line = _step_line(
                 step, cfg.steps, metrics, ok, failed, env_mean, bonus_mean if shaping is not None else None
             )
-            if run_ahead:
+            if handle.publisher is None:
+                line += " (not published: generator.publish_weights is off)"
+            if cfg.rollout.max_staleness > 0:
                 line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
             print(line, file=out, flush=True)
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
+            if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 await asyncio.to_thread(
                     save_checkpoint,
                     run.checkpoints_path,

@@ -205,3 +205,18 @@ def test_stale_group_is_recorded_not_trained(tmp_path: Any) -> None:
     lines = (tmp_path / "failures.jsonl").read_text().splitlines()
     assert sum('"failure_class":"stale"' in line for line in lines) == 2 * 2 + 2
     assert bridge.stats.prompts_started == bridge.stats.groups_completed + bridge.stats.groups_dropped_stale
+
+
+def test_on_policy_without_dropping_hands_a_lagging_group_to_the_drift_guard() -> None:
+    """``drop_stale=False`` (the launcher, on-policy with the drift guard on): the group is passed on,
+    its staleness set, for the trainer's drift guard to fail the step loudly."""
+
+    async def go() -> list[int]:
+        rows = [{"responses_create_params": {"input": f"t{i}"}} for i in range(2)]
+        bridge = BridgeIterator(rows, TwoTurnSource(Clock(), [0.0]), None, group_size=2, drop_stale=False)
+        bridge.policy_version = 1  # the generator never got version 1
+        await bridge.__anext__()
+        await bridge.aclose()
+        return [g.staleness for g in bridge.last_groups]
+
+    assert asyncio.run(go()) == [1]

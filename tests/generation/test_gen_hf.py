@@ -123,12 +123,25 @@ class _Recorder:
 async def test_batching_groups_concurrent_requests_by_sampling() -> None:
     inner = _Recorder()
     batched = BatchingGenerator(inner, max_batch_size=4, window_s=0.05)
-    s1, s2 = SamplingConfig(seed=1), SamplingConfig(seed=2)
+    s1, s2 = SamplingConfig(temperature=0.5), SamplingConfig(temperature=0.7)
     reqs = [batched.generate([GenerationInput([i])], s1 if i % 2 else s2) for i in range(6)]
     results = await asyncio.gather(*reqs)
     assert [r[0].token_ids for r in results] == [[i] for i in range(6)]
     assert sum(n for n, _ in inner.calls) == 6 and len(inner.calls) < 6
     assert all(n <= 4 for n, _ in inner.calls)
+    await batched.aclose()
+
+
+async def test_regression_seeded_calls_are_never_merged_with_other_calls() -> None:
+    """Concurrent requests with the same seed were merged into one batch, so none got the answer
+    it would get alone (0 of 4)."""
+    inner = _Recorder()
+    batched = BatchingGenerator(inner, max_batch_size=8, window_s=0.05)
+    seeded = SamplingConfig(seed=7)
+    reqs = [batched.generate([GenerationInput([i])], seeded) for i in range(4)]
+    reqs.append(batched.generate([GenerationInput([8]), GenerationInput([9])], seeded))  # one call, 2 rows
+    await asyncio.gather(*reqs)
+    assert sorted(n for n, _ in inner.calls) == [1, 1, 1, 1, 2]  # each call as it was asked
     await batched.aclose()
 
 

@@ -11,11 +11,10 @@ from typing import Any
 
 import pytest
 from gen_helpers import max_logprob_diff
-from rollout_helpers import zoom_call_tokens
+from rollout_helpers import run_via_model_server, zoom_call_tokens
 
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
-from gymbridge.generation.server import ModelServer, ModelServerConfig
 from gymbridge.generation.types import SamplingConfig
 from gymbridge.rollout import NativeModel, run_episode, run_group
 from gymbridge.trajectory import from_gym_result
@@ -72,26 +71,11 @@ async def test_model_server_path_is_token_exact(
     tiny_gen: HFGenerator, tiny: Any, zoom_env: str, zoom_row: dict[str, Any]
 ) -> None:
     """gymbridge's SimpleAgent -> our model server (Responses API) -> zoom_read; same exactness."""
-    import httpx
-
-    from gymbridge.server import SimpleAgent, start_server
-
     scripted = ScriptedGenerator(tiny_gen, three_turn_script(tiny_gen))
-    config = ModelServerConfig(model_name="tiny", max_model_len=tiny_gen.max_model_len, batching=False)
-    row = {
-        **zoom_row,
-        "responses_create_params": {
-            **zoom_row["responses_create_params"],
-            "temperature": 0.8,
-            "max_output_tokens": 12,
-        },
-    }
-    async with ModelServer(scripted, config=config) as server:
-        agent = SimpleAgent(resources_url=zoom_env, model_url=str(server.url), max_steps=3)
-        async with await start_server(agent) as running, httpx.AsyncClient(timeout=120) as client:
-            reply = await client.post(f"{running.url}/run", json=row)
-    assert reply.status_code == 200, reply.text
-    traj = from_gym_result(reply.json())
+    result = await run_via_model_server(
+        scripted, zoom_env, zoom_row, max_steps=3, max_model_len=tiny_gen.max_model_len
+    )
+    traj = from_gym_result(result)
     assert [t.kind for t in traj.turns] == ["function_call", "function_call", "message"]
     sampling = SamplingConfig(temperature=0.8, max_tokens=12)
     assert max_logprob_diff(tiny, traj, sampling) < 1e-5

@@ -12,12 +12,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from rollout_helpers import zoom_call_tokens
+from rollout_helpers import run_via_model_server, zoom_call_tokens
 
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
-from gymbridge.generation.server import ModelServer, ModelServerConfig
-from gymbridge.generation.types import Generation, SamplingConfig
+from gymbridge.generation.types import Generation, SamplingConfig, wrapped_policy_version
 from gymbridge.rollout import NativeModel, run_episode
 from gymbridge.trajectory import from_gym_result
 from gymbridge.trajectory.types import GenerationInput
@@ -36,13 +35,7 @@ class BumpAfterFirstCall:
         self.max_model_len = inner.max_model_len
         self.calls = 0
 
-    @property
-    def policy_version(self) -> int:
-        return self.inner.policy_version
-
-    @policy_version.setter
-    def policy_version(self, version: int) -> None:
-        self.inner.policy_version = version
+    policy_version = wrapped_policy_version("inner")
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         out = await self.inner.generate(inputs, sampling)
@@ -88,25 +81,9 @@ async def test_native_episode_straddling_an_update_carries_two_versions(
 async def test_model_server_episode_straddling_an_update_carries_two_versions(
     straddling: BumpAfterFirstCall, zoom_env: str, zoom_row: dict[str, Any]
 ) -> None:
-    import httpx
-
-    from gymbridge.server import SimpleAgent, start_server
-
-    config = ModelServerConfig(model_name="tiny", max_model_len=straddling.max_model_len, batching=False)
-    row = {
-        **zoom_row,
-        "responses_create_params": {
-            **zoom_row["responses_create_params"],
-            "temperature": 0.8,
-            "max_output_tokens": 12,
-        },
-    }
-    async with ModelServer(straddling, config=config) as server:
-        agent = SimpleAgent(resources_url=zoom_env, model_url=str(server.url), max_steps=2)
-        async with await start_server(agent) as running, httpx.AsyncClient(timeout=120) as client:
-            reply = await client.post(f"{running.url}/run", json=row)
-    assert reply.status_code == 200, reply.text
-    result = reply.json()
+    result = await run_via_model_server(
+        straddling, zoom_env, zoom_row, max_steps=2, max_model_len=straddling.max_model_len
+    )
     assert item_versions(result) == [0, 1]
     traj = from_gym_result(result)
     assert traj.policy_versions == [0, 1]

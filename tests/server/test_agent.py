@@ -200,7 +200,9 @@ class SlowEnv(ResourcesServer):
 async def test_hanging_tool_hits_the_tool_deadline() -> None:
     async for h in harness(SlowEnv(), [{"calls": [call("wait", {"seconds": 30})]}, "x"], tool_timeout_s=0.3):
         started = asyncio.get_running_loop().time()
-        status, body = await h.run({"responses_create_params": {"input": "go"}})
+        status, body = await h.run(
+            {"responses_create_params": {"input": "go", "tools": SlowEnv.function_tools()}}
+        )
         assert status == 504 and "timeout" in body
         assert asyncio.get_running_loop().time() - started < 5
 

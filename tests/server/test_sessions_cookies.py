@@ -38,7 +38,8 @@ async def test_regression_agent_and_model_store_no_session_per_rollout() -> None
     try:
         async with aiohttp.ClientSession(cookie_jar=aiohttp.DummyCookieJar()) as http:
             for _ in range(5):
-                row = {"responses_create_params": {"input": "add 2"}, "target": 2}
+                rcp = {"input": "add 2", "tools": CounterEnv.function_tools()}
+                row = {"responses_create_params": rcp, "target": 2}
                 async with http.post(agent.url + "/run", json=row) as r:
                     assert r.status == 200 and (await r.json())["reward"] == 1.0
                     # the agent still sets its cookie on every answer (stock parity)
@@ -129,7 +130,7 @@ async def test_regression_parts_header_is_read_case_insensitively() -> None:
     await model.start()
     agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url))
     try:
-        row = {"responses_create_params": {"input": "look"}}
+        row = {"responses_create_params": {"input": "look", "tools": LowercaseHeaderEnv.function_tools()}}
         async with aiohttp.ClientSession() as http, http.post(agent.url + "/run", json=row) as r:
             result = await r.json()
     finally:

@@ -102,7 +102,12 @@ async def test_our_agent_drives_a_stock_resources_server() -> None:
     agent = await start_server(
         SimpleAgent(resources_url=env.url, model_url=model.url, instance_name="cc_agent")
     )
-    row = {"responses_create_params": {"input": "click the red circle"}, "circles": [], "target_color": "red"}
+    click = {"type": "function", "name": "click", "parameters": {"type": "object", "properties": {}}}
+    row = {
+        "responses_create_params": {"input": "click the red circle", "tools": [click]},
+        "circles": [],
+        "target_color": "red",
+    }
     try:
         async with (
             aiohttp.ClientSession() as http,

@@ -28,7 +28,8 @@ def _row_mean(lp: torch.Tensor, batch: TrainBatch, positive: bool) -> float:
 def test_repeated_steps_raise_positive_advantage_logprobs(tiny: TinyVLM, batch: TrainBatch) -> None:
     model = tiny_policy(0)
     fixed = with_current_logprobs(model, batch)
-    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, clip_eps_high=10.0, clip_eps_low=0.9))
+    # several epochs on one batch: off-policy after the first, on purpose
+    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, clip_eps_high=10.0, clip_eps_low=0.9), on_policy=False)
     before = token_logprobs(model, fixed).detach()
     metrics = [trainer.step(fixed) for _ in range(6)]
     with torch.no_grad():
@@ -176,7 +177,7 @@ def test_is_cap_truncates_the_importance_weight_of_the_unclipped_term() -> None:
         new = torch.tensor([[math.log(5.0), 0.0]], requires_grad=True)
         loss, stats = grpo_token_loss(new, old, adv, mask, is_cap=cap)
         (grad,) = torch.autograd.grad(loss, new)
-        return [float(loss), *grad[0].tolist(), stats["capped"]]
+        return [float(loss.detach()), *grad[0].tolist(), stats["capped"]]
 
     assert run(None) == pytest.approx([3.0, 2.5, 0.5, 0.0])  # loss (5 + 1) / 2; gradient weight 5
     assert run(2.0) == pytest.approx([1.5, 1.0, 0.5, 1.0])  # loss (2 + 1) / 2; gradient weight 2
@@ -189,3 +190,27 @@ def test_is_cap_below_the_clip_range_is_a_config_error() -> None:
     with pytest.raises(ValidationError, match="is_cap"):
         GRPOConfig(is_cap=1.1)
     assert GRPOConfig(is_cap=1.2).is_cap == 1.2
+
+
+def test_ratio_metrics_are_one_on_policy_and_the_guard_refuses_a_stale_batch(
+    tiny: TinyVLM, batch: TrainBatch
+) -> None:
+    """The first step on the generator's own logprobs has ratio 1; a second step on the same
+    (now stale) logprobs in an on-policy run fails before the optimizer moves."""
+    from gymbridge.errors import PolicyDriftError
+
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, micro_batch_max_tokens=40))
+    first = trainer.step(fixed)
+    assert first.ratio_mean == pytest.approx(1.0, abs=1e-5)
+    assert first.ratio_max_abs_log < 1e-4
+    assert first.as_dict()["ratio_mean"] == first.ratio_mean
+    before = [p.detach().clone() for p in trainer.params]
+    with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's") as info:
+        trainer.step(fixed)
+    assert info.value.step == 2 and abs(info.value.ratio_mean - 1.0) > 1e-2
+    assert all(torch.equal(a, p) for a, p in zip(before, trainer.params, strict=True))
+    assert trainer.steps == 1
+    off_policy = GRPOTrainer(model, GRPOConfig(lr=3e-3), on_policy=False)
+    assert abs(off_policy.step(fixed).ratio_mean - 1.0) > 1e-2  # reported, not raised

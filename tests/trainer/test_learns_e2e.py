@@ -64,7 +64,8 @@ async def test_grpo_raises_the_rewarded_tool_call_through_the_whole_native_path(
         with torch.no_grad():
             return float((token_logprobs(policy, batch) * rows).sum() / rows.sum())
 
-    trainer = GRPOTrainer(policy, GRPOConfig(lr=2e-3, clip_eps_high=10.0))
+    # four epochs on one batch: off-policy after the first, on purpose
+    trainer = GRPOTrainer(policy, GRPOConfig(lr=2e-3, clip_eps_high=10.0), on_policy=False)
     before = oracle_logprob()
     first = trainer.step(batch)
     for _ in range(3):

@@ -52,7 +52,10 @@ def dp(batch: TrainBatch) -> Iterator[tuple[RayDPTrainer, PayloadMeter, Any]]:
     model = tiny_policy(0)
     meter = PayloadMeter(enabled=True)
     trainer = RayDPTrainer(
-        GRPOTrainer(model, CONFIG), functools.partial(from_config, type(model), model.config), 2, meter=meter
+        GRPOTrainer(model, CONFIG, on_policy=False),  # the tests step one batch twice, on purpose
+        functools.partial(from_config, type(model), model.config),
+        2,
+        meter=meter,
     )
     try:
         yield trainer, meter, ray
@@ -65,7 +68,7 @@ def test_dp_step_equals_a_single_process_step_and_weights_stay_identical(
     dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
 ) -> None:
     trainer, _meter, _ = dp
-    local = GRPOTrainer(tiny_policy(0), CONFIG)
+    local = GRPOTrainer(tiny_policy(0), CONFIG, on_policy=False)
     fixed = with_current_logprobs(local.model, batch)
     assert trainer.param_digests()[0] == param_digest(local.model)
     for _ in range(2):
@@ -113,3 +116,20 @@ def test_regression_dp_step_without_loss_tokens_moves_no_weights(
     metrics = trainer.step(masked)
     assert metrics.num_loss_tokens == 0 and metrics.grad_norm == 0.0
     assert trainer.param_digests() == before and len(set(before)) == 1
+
+
+def test_dp_drift_guard_fails_before_any_worker_moves(
+    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    from gymbridge.errors import PolicyDriftError
+
+    trainer, _meter, _ = dp
+    stale = with_current_logprobs(tiny_policy(1), batch)  # logprobs of another model's weights
+    before = trainer.param_digests()
+    trainer.trainer.on_policy = True
+    try:
+        with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's"):
+            trainer.step(stale)
+    finally:
+        trainer.trainer.on_policy = False
+    assert trainer.param_digests() == before

@@ -49,7 +49,7 @@ def smoke(*args: str) -> subprocess.Popen[bytes]:
     )
 
 
-def wait_until(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout_s: float = 60) -> None:
+def wait_until(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready():
         assert proc.poll() is None, (
@@ -98,7 +98,7 @@ def test_sigkill_then_resume_trains_each_row_once(moment: str, tmp_path: Path) -
     assert killed_steps != list(range(1, STEPS + 1)), "the run finished before it was killed"
 
     resumed = smoke("--resume", str(run))
-    out, _ = resumed.communicate(timeout=120)
+    out, _ = resumed.communicate(timeout=300)
     text = out.decode()
     assert resumed.returncode == 0, text
     assert "resumed: " in text

@@ -1,0 +1,187 @@
+"""The model server answers bad input with a 4xx (never a 5xx) and huge requests cannot starve others."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gymbridge.generation.hf import HFGenerator
+from gymbridge.generation.server import MAX_TEMPERATURE, ModelServer, ModelServerConfig
+from gymbridge.limits import MAX_JSON_DEPTH
+
+
+def responses_body(text: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "input": [{"role": "user", "content": text}], "max_output_tokens": 3, **extra}
+
+
+@pytest.fixture
+async def server(tiny_gen: HFGenerator) -> AsyncIterator[ModelServer]:
+    config = ModelServerConfig(
+        model_name="tiny", max_model_len=600, default_max_tokens=4, max_body_bytes=4 * 1024 * 1024
+    )
+    srv = ModelServer(tiny_gen, config=config)
+    await srv.start()
+    yield srv
+    await srv.stop()
+
+
+@pytest.fixture
+async def client(server: ModelServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=str(server.url), timeout=120) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("temperature", 1e300),
+        ("temperature", MAX_TEMPERATURE * 2),
+        ("temperature", -1e-300),
+        ("temperature", 10**400),
+        ("top_p", 1e300),
+        ("top_p", 0.0),
+        ("top_p", -5),
+        ("seed", 2**200),
+        ("seed", -(2**100)),
+        ("max_output_tokens", -(2**70)),
+        ("max_output_tokens", 0),
+        ("stop_token_ids", [2**70]),
+        ("stop_token_ids", [-1]),
+    ],
+)
+async def test_regression_numeric_extremes_are_400_not_500(
+    client: httpx.AsyncClient, key: str, value: Any
+) -> None:
+    """Temperatures of 1e-300 / 1e300 (and other extremes) were 500s, which agents retry three times."""
+    r = await client.post("/v1/responses", content=_dumps(responses_body(**{key: value})))
+    assert r.status_code == 400, r.text
+    message = r.json()["message"]
+    assert r.json()["object"] == "error" and (key.split("_")[0] in message or "JSON" in message), message
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    import json
+
+    return json.dumps(body).encode()  # stdlib: writes ints beyond 64 bits, which orjson refuses
+
+
+async def test_regression_a_tiny_positive_temperature_is_greedy(client: httpx.AsyncClient) -> None:
+    greedy = await client.post("/v1/responses", json=responses_body(temperature=0.0))
+    tiny = await client.post("/v1/responses", json=responses_body(temperature=1e-300))
+    assert tiny.status_code == 200, tiny.text
+    assert (
+        tiny.json()["output"][-1]["generation_token_ids"]
+        == greedy.json()["output"][-1]["generation_token_ids"]
+    )
+
+
+numbers = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.sampled_from([1e-300, 5e-324, 1e300, -0.0, 2**63, 2**64]),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(key=st.sampled_from(["temperature", "top_p", "seed", "max_output_tokens"]), value=numbers)
+def test_no_numeric_value_of_a_sampling_field_is_a_5xx(tiny_gen: HFGenerator, key: str, value: Any) -> None:
+    async def one() -> int:
+        srv = ModelServer(tiny_gen, config=ModelServerConfig(model_name="tiny", max_model_len=600))
+        async with srv, httpx.AsyncClient(base_url=str(srv.url), timeout=120) as c:
+            body = responses_body(**{key: value})
+            if key == "max_output_tokens" and isinstance(value, int) and value > 0:
+                body[key] = min(value, 3)
+            import json
+
+            raw = json.dumps(body, allow_nan=True).encode()
+            return (await c.post("/v1/responses", content=raw)).status_code
+
+    status = asyncio.run(one())
+    assert status in (200, 400), status
+
+
+async def test_regression_an_oversized_body_is_413(client: httpx.AsyncClient) -> None:
+    """An oversized body was a 500."""
+    r = await client.post("/v1/responses", json=responses_body("x " * (3 * 1024 * 1024)))
+    assert r.status_code == 413 and "limit" in r.json()["message"]
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 255, 600, 1024])
+async def test_regression_deep_json_is_400(client: httpx.AsyncClient, depth: int) -> None:
+    body = responses_body()
+    body["metadata"] = {"x": "[" * (depth - 2) + "]" * (depth - 2)}  # a string: fine
+    assert (await client.post("/v1/responses", json=body)).status_code == 200
+    raw = b'{"model": "tiny", "input": "hi", "metadata": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    r = await client.post("/v1/responses", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "deeper" in r.json()["message"]
+
+
+async def test_regression_an_overlong_prompt_is_refused_before_tokenizing(
+    client: httpx.AsyncClient, server: ModelServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 10 MB prompt was tokenized in full (8-16 s, ~2 GB) before being refused."""
+    calls: list[int] = []
+    real = server.codec.render
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(server.codec, "render", counting)
+    big = "word " * (800 * 1024)  # 4 MB of text; the context is 600 tokens
+    started = time.perf_counter()
+    r = await client.post("/v1/responses", json=responses_body(big))
+    elapsed = time.perf_counter() - started
+    assert r.status_code == 200 and r.json()["status"] == "incomplete" and r.json()["output"] == []
+    assert r.json()["usage"]["input_tokens"] > 600
+    assert calls == []  # never rendered / tokenized
+    chat = await client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": big}]}
+    )
+    assert chat.status_code == 400 and "maximum context length is 600" in chat.json()["message"]
+    assert elapsed < 2.0, f"refusing took {elapsed:.2f}s"
+
+
+async def test_regression_huge_prompts_do_not_delay_a_normal_request(
+    client: httpx.AsyncClient, server: ModelServer
+) -> None:
+    """Eight huge prompts delayed a normal request by 40-97 s; now by well under a second or two."""
+    normal = responses_body("hello there", max_output_tokens=2)
+    started = time.perf_counter()
+    assert (await client.post("/v1/responses", json=normal)).status_code == 200
+    alone = time.perf_counter() - started
+    big = responses_body("word " * (700 * 1024))
+    flood = [asyncio.ensure_future(client.post("/v1/responses", json=big)) for _ in range(8)]
+    await asyncio.sleep(0.05)
+    started = time.perf_counter()
+    r = await client.post("/v1/responses", json=normal)
+    during = time.perf_counter() - started
+    await asyncio.gather(*flood)
+    assert r.status_code == 200
+    assert during - alone < 2.0, f"normal request: {alone:.2f}s alone, {during:.2f}s during the flood"
+
+
+async def test_regression_concurrent_requests_with_one_seed_get_their_solo_answers(
+    client: httpx.AsyncClient,
+) -> None:
+    """Concurrent requests with the same seed were batched together: 0 of 4 got their solo answer."""
+    bodies = [
+        responses_body(f"prompt number {i}", temperature=1.0, seed=1234, max_output_tokens=6)
+        for i in range(4)
+    ]
+
+    def tokens(r: httpx.Response) -> list[int]:
+        assert r.status_code == 200, r.text
+        out: list[int] = r.json()["output"][-1]["generation_token_ids"]
+        return out
+
+    solo = [tokens(await client.post("/v1/responses", json=b)) for b in bodies]
+    together = await asyncio.gather(*(client.post("/v1/responses", json=b) for b in bodies))
+    assert [tokens(r) for r in together] == solo
