@@ -79,6 +79,7 @@ from gymbridge.errors import ConfigError
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 from gymbridge.trainer.placement import GeneratorConfig
+from gymbridge.trainer.reporters import ReportTo
 from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ class SmokeConfig(StrictModel):
     run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
     """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
     default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
+    report_to: list[ReportTo] = Field(default_factory=list)
+    """Also send each step's metrics record to ``wandb`` / ``tensorboard`` (optional extras)."""
     chart_every: int = Field(5, ge=1)
     """Redraw ``charts/`` every N steps (and at the end); rollouts and the viewer update every step."""
     checkpoint_every: int = Field(0, ge=0)
@@ -281,6 +284,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config, tiny_policy
     from gymbridge.trainer.placement import start_generator
+    from gymbridge.trainer.reporters import open_reporters
     from gymbridge.trainer.rundir import payload_delta, step_record
 
     started = time.perf_counter()
@@ -431,6 +435,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         )
         stack.push_async_callback(bridge.aclose)
         artifacts = RunArtifacts(run.path, decode=tiny.tokenizer.decode, chart_every=cfg.chart_every)
+        reporters = open_reporters(cfg.report_to, run.path, cfg.model_dump(mode="json"))
+        for reporter in reporters:
+            stack.callback(reporter.close)
         first = state.step + 1 if state is not None else 1
         result.resumed_from_step = first - 1
         if first > cfg.steps:
@@ -472,6 +479,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             run.append_metrics(record)
             result.records.append(record)
             await asyncio.to_thread(artifacts.record_step, step, bridge.last_groups, run.metrics())
+            for reporter in reporters:
+                reporter.log(step, record)
             bar.update(1)
             bar.clear()
             line = _step_line(
