@@ -5,7 +5,11 @@ module is imported only when its class is asked for. Every environment package h
 ``data.py`` (``make_row(seed, index, **params)`` and ``generate(n, seed, **params)``)
 and ``server.py`` (a :class:`gymbridge.server.ResourcesServer` subclass).
 
-Invariants: names are unique and equal the package folder name; generator parameters
+Third-party environments register through the ``gymbridge.environments`` entry point group
+(:data:`ENTRY_POINT_GROUP`) and appear in :func:`list_envs` / ``gymbridge env list`` after the
+built-in ones; a built-in name cannot be taken over.
+
+Invariants: names are unique and equal the package folder name (built-ins); generator parameters
 are the keyword-only parameters of ``make_row`` and nothing else (an unknown parameter is
 a :class:`~gymbridge.errors.ConfigError` listing the valid ones, never silently ignored).
 """
@@ -15,8 +19,10 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,7 +31,9 @@ from gymbridge.errors import ConfigError
 if TYPE_CHECKING:
     from gymbridge.server import ResourcesServer
 
-__all__ = ["ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]
+__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,13 @@ class EnvSpec:
     modalities: tuple[str, ...]
     style: Literal["tools", "gymnasium"]
     server_class_name: str
+    package_name: str | None = None
+    """The package holding ``data.py`` and ``server.py`` (default ``environments.<name>``); a
+    third-party environment names its own."""
 
     @property
     def package(self) -> str:
-        return f"environments.{self.name}"
+        return self.package_name or f"environments.{self.name}"
 
     def data_module(self) -> ModuleType:
         return importlib.import_module(f"{self.package}.data")
@@ -136,13 +147,59 @@ ENVIRONMENTS: dict[str, EnvSpec] = {
 }
 
 
+ENTRY_POINT_GROUP = "gymbridge.environments"
+"""Third-party environments register here: ``[project.entry-points."gymbridge.environments"]
+NAME = "package.module:SPEC"``, where ``SPEC`` is an :class:`EnvSpec` (``package_name`` set to
+the package holding its ``data.py`` and ``server.py``) or a function returning one."""
+
+
+def _entry_point_spec(ep: metadata.EntryPoint) -> EnvSpec:
+    try:
+        found = ep.load()
+        spec = found() if callable(found) and not isinstance(found, EnvSpec) else found
+    except Exception as exc:  # a broken plug-in is named, not a crash of the whole registry
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: cannot load: {exc}"], source=ENTRY_POINT_GROUP
+        ) from exc
+    if not isinstance(spec, EnvSpec):
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: expected an EnvSpec, got {type(spec).__name__}"],
+            source=ENTRY_POINT_GROUP,
+        )
+    if spec.name != ep.name:
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: its EnvSpec is named {spec.name!r}"],
+            source=ENTRY_POINT_GROUP,
+        )
+    return spec
+
+
+def discover_entry_points() -> list[metadata.EntryPoint]:
+    """The installed distributions' entry points of :data:`ENTRY_POINT_GROUP`."""
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in discover_entry_points() if ep.name not in ENVIRONMENTS}
+
+
 def list_envs() -> list[EnvSpec]:
-    return list(ENVIRONMENTS.values())
+    """The built-in environments, then the registered third-party ones (a broken one is logged, skipped)."""
+    out = list(ENVIRONMENTS.values())
+    for ep in _entry_points().values():
+        try:
+            out.append(_entry_point_spec(ep))
+        except ConfigError as exc:
+            logger.warning("%s", exc)
+    return out
 
 
 def get_env(name: str) -> EnvSpec:
     """The environment called ``name``; :class:`~gymbridge.errors.ConfigError` when unknown."""
-    try:
+    if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    except KeyError:
-        raise ConfigError([f"unknown environment {name!r}; known: {', '.join(ENVIRONMENTS)}"]) from None
+    ep = _entry_points().get(name)
+    if ep is not None:
+        return _entry_point_spec(ep)
+    known = [*ENVIRONMENTS, *_entry_points()]
+    raise ConfigError([f"unknown environment {name!r}; known: {', '.join(known)}"]) from None

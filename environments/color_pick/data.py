@@ -40,7 +40,6 @@ COLORS: dict[str, tuple[int, int, int]] = {
     "yellow": (230, 200, 40),
 }
 BLANK_RGB = (128, 128, 128)
-SYSTEM_PROMPT = "You are a visual assistant."
 LOOK_CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
 """The Hermes-style text of the one ``look`` call (what the tiny model's chat template renders)."""
 
@@ -112,7 +111,6 @@ def make_row(
         content = [image_part(png_data_url(render(color, img_size, blank=blank))), question(names)]
         rcp = {
             "input": [
-                {"role": "system", "content": SYSTEM_PROMPT},
                 {
                     "role": "user",
                     "content": [content[0], {"type": "input_text", "text": content[1]}],
@@ -122,7 +120,7 @@ def make_row(
     else:
         text = "Call look to see the image. " + question(names)
         rcp = {
-            "input": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}],
+            "input": [{"role": "user", "content": text}],
             "tools": tools(),
         }
     return {

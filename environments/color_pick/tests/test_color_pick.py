@@ -31,7 +31,7 @@ def test_blank_rows_show_grey_and_keep_the_answer() -> None:
     from gymbridge.media import MediaItem
 
     row = make_row(0, 0, blank=True)
-    url = row["responses_create_params"]["input"][1]["content"][0]["image_url"]
+    url = row["responses_create_params"]["input"][0]["content"][0]["image_url"]
     img = MediaItem.from_ref(url, "image").image()
     assert img.getpixel((3, 3)) == (128, 128, 128) and row["color"] in COLORS
 
