@@ -372,6 +372,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 timeout_s=cfg.rollout_deadline_s,
                 meter=meter,
                 seed=cfg.seed if cfg.reproducible else None,
+                # the env's declared style, not a guess from the row (a tool env may offer no tools)
+                mode="gymnasium" if spec.style == "gymnasium" else "tools",
             )
         else:
             from gymbridge.client import GymClient

@@ -35,7 +35,5 @@ def test_every_shipped_config_trains_with_nonzero_gradients(path: Path, tmp_path
 
 @pytest.mark.parametrize("env", ["color_pick", "circle_click", "zoom_read", "counter", "grid_door"])
 def test_every_image_and_text_env_trains_with_its_own_defaults(env: str, tmp_path: Path) -> None:
-    cfg = build_config(
-        None, [("steps", 2), ("group_size", 4)], {"env": env, "run_dir": str(tmp_path / "run")}
-    )
+    cfg = build_config(None, [("steps", 2)], {"env": env, "run_dir": str(tmp_path / "run")})
     _trains(run_smoke(cfg, out=io.StringIO()))

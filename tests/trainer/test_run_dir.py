@@ -89,14 +89,18 @@ def test_default_run_dir_is_under_runs_and_kept(
     monkeypatch.chdir(tmp_path)
     assert smoke.main([*SMALL, "--steps", "1", "--no-progress", "--set", "payload_metrics=false"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("run dir: runs/circle_click-")
+    assert first.startswith("run dir: runs/color_pick-")
     run_dir = tmp_path / first.removeprefix("run dir: ")
     assert sorted(os.listdir(run_dir)) == [
+        "charts",
         "checkpoints",
         "config.yaml",
         "dataset.jsonl",
         "failures.jsonl",
+        "media",
         "metrics.jsonl",
+        "rollouts",
+        "viewer",
     ]
 
 
