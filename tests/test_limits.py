@@ -110,3 +110,23 @@ async def test_regression_a_deep_agent_result_is_a_data_outcome(depth: int) -> N
     async with GymClient("http://agent.test", transport=transport) as client:
         outcome = await client.run(counter_rows(1)[0])
     assert outcome.kind == "data" and "deeper than" in (outcome.reason or "")
+
+
+async def test_regression_an_oversized_body_is_413_at_the_sdk_and_the_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gymbridge.server._base as base
+
+    monkeypatch.setattr(base, "MAX_BODY_BYTES", 1024 * 1024)
+    env = await start_server(CounterEnv())
+    agent = await start_server(SimpleAgent(resources_url=env.url, model_url="http://127.0.0.1:9"))
+    big = b'{"x": "' + b"a" * (2 * 1024 * 1024) + b'"}'
+    try:
+        async with aiohttp.ClientSession() as http:
+            for url in (env.url + "/seed_session", agent.url + "/run"):
+                async with http.post(url, data=big, headers={"content-type": "application/json"}) as r:
+                    assert r.status == 413, (url, await r.text())
+                    assert "limit" in (await r.json())["detail"]
+    finally:
+        await agent.stop()
+        await env.stop()

@@ -473,6 +473,7 @@ class ModelServer:
         body = await self._body(request)
         if body.get("n") not in (None, 1):
             raise _BadRequest("n must be 1: this server returns one choice with its token ids")
+        self._sampling(body, 0, _int_or_none(body, "max_completion_tokens", "max_tokens"))  # 400s first
         inp = await self._prepare(
             lambda: chat_to_messages(body.get("messages"), policy=self.media_policy),
             _chat_tools(body),
@@ -551,6 +552,7 @@ class ModelServer:
             "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"),
         }
+        self._sampling(body, 0, _int_or_none(body, "max_output_tokens"))  # a bad field is 400 first
         try:
             inp = await self._prepare(build, tools, None)
             prompt = inp.prompt_token_ids

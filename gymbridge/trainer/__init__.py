@@ -2,9 +2,11 @@
 
 Public API (stable): :class:`GRPOTrainer`, :class:`GRPOConfig`, :class:`StepMetrics`,
 :func:`token_logprobs`, :func:`grpo_token_loss`, :class:`RayDPTrainer`, :func:`init_ray`,
-:func:`param_digest`, :func:`tiny_policy`; the loop's pieces: :func:`train_step` (one step:
-batch, update, weight publication), :class:`RunDir` / :func:`step_record` (the run directory and
-its ``metrics.jsonl`` record), :func:`save_checkpoint` / :func:`load_checkpoint`; the launcher lives in
+:func:`param_digest`, :func:`tiny_policy`; weight publication: :class:`WeightPublisher`,
+:class:`InProcessPublisher`, :class:`DistributedPublisher`, :class:`GeneratorConfig`; the loop's
+pieces: :func:`train_step` (one step: batch, update, weight publication), :class:`RunDir` /
+:func:`step_record` (the run directory and its ``metrics.jsonl`` record), :func:`save_checkpoint` /
+:func:`load_checkpoint`; the launcher lives in
 :mod:`gymbridge.trainer.smoke` (``gymbridge smoke``). Ray is imported only when a
 :class:`RayDPTrainer` is made.
 """
@@ -24,19 +26,25 @@ from gymbridge.trainer.grpo import (
 )
 from gymbridge.trainer.loop import LoopStep, train_step
 from gymbridge.trainer.models import from_config, tiny_policy
+from gymbridge.trainer.placement import GeneratorConfig
 from gymbridge.trainer.ray_dp import DPWorker, RayDPTrainer, init_ray, param_digest, require_ray
 from gymbridge.trainer.rundir import RunDir, step_record
+from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher, WeightPublisher
 
 __all__ = [
     "DPWorker",
+    "DistributedPublisher",
     "GRPOConfig",
     "GRPOTrainer",
+    "GeneratorConfig",
     "GradientResult",
+    "InProcessPublisher",
     "LoopStep",
     "RayDPTrainer",
     "RunDir",
     "RunState",
     "StepMetrics",
+    "WeightPublisher",
     "from_config",
     "grpo_token_loss",
     "init_ray",

@@ -22,7 +22,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
 import logging
 from collections.abc import Iterable, Mapping
@@ -152,8 +151,6 @@ class RunDir:
         write_atomic(self.metrics_path, [orjson.dumps(r) + b"\n" for r in kept])
         failures = [r for r in self.failures() if r.get("task_index") in done]
         write_atomic(self.failures_path, [orjson.dumps(r) + b"\n" for r in failures])
-        with contextlib.suppress(FileNotFoundError):  # the smoke's old per-step replay file
-            (self.path / "replay.ckpt").unlink()
 
 
 def payload_delta(

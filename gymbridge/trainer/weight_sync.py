@@ -27,6 +27,7 @@ copies); a layout mismatch (names, shapes, dtypes) is refused before any tensor 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Protocol
 
@@ -201,11 +202,36 @@ class DistributedPublisher:
                 "tensors": [s.to_json() for s in specs],
             },
         )
-        self._group = open_weight_group(
-            store, rank=0, world_size=world_size, backend=backend, timeout_s=self.timeout_s
-        )
+        self._group = self._join(store, world_size, backend)
         self._store = store
         logger.info("weight group with %s ready (%s, %d ranks)", self.url, backend, world_size)
+
+    def _join(self, store: Any, world_size: int, backend: Backend) -> WeightGroup:
+        """Join as rank 0 while watching the server: a server that fails to join is reported at once
+        (its ``/weights/status`` error), not after ``timeout_s`` of waiting for it."""
+        outcome: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                outcome["group"] = open_weight_group(
+                    store, rank=0, world_size=world_size, backend=backend, timeout_s=self.timeout_s
+                )
+            except BaseException as exc:  # handed to the caller below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=build, name="gymbridge-weight-group", daemon=True)
+        thread.start()
+        while True:
+            thread.join(0.25)
+            if not thread.is_alive():
+                break
+            error = self.status().get("error")
+            if error:
+                raise WeightSyncError(f"the server at {self.url} could not join the weight group: {error}")
+        if "error" in outcome:
+            raise outcome["error"]
+        group: WeightGroup = outcome["group"]
+        return group
 
     # ------------------------------------------------------------------ publishing
 

@@ -185,3 +185,25 @@ async def test_regression_concurrent_requests_with_one_seed_get_their_solo_answe
     solo = [tokens(await client.post("/v1/responses", json=b)) for b in bodies]
     together = await asyncio.gather(*(client.post("/v1/responses", json=b) for b in bodies))
     assert [tokens(r) for r in together] == solo
+
+
+async def test_regression_a_bad_temperature_through_the_agent_is_a_data_failure_not_retried(
+    server: ModelServer,
+) -> None:
+    """Through the agent a model-server 500 became an infrastructure failure retried three times."""
+    from gymbridge.client import GymClient
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.server.examples import CounterEnv, counter_rows
+
+    env = await start_server(CounterEnv())
+    agent = await start_server(SimpleAgent(resources_url=env.url, model_url=str(server.url)))
+    row = counter_rows(1)[0]
+    row["responses_create_params"] = {**row["responses_create_params"], "temperature": 1e300}
+    try:
+        async with GymClient(agent.url, backoff_initial_s=0.01) as client:
+            outcome = await client.run(row)
+    finally:
+        await agent.stop()
+        await env.stop()
+    assert outcome.kind == "data" and outcome.status == 400 and outcome.attempts == 1
+    assert "temperature" in (outcome.reason or "")

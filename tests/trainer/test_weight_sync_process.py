@@ -184,3 +184,66 @@ def test_buckets_are_bounded_single_dtype_and_cover_every_entry_once(
     for dtype in {b.dtype for b in buckets}:  # state-dict order kept within a dtype
         order = [s.name for b in buckets if b.dtype == dtype for s in b.specs]
         assert order == sorted(order, key=lambda name: int(name[1:]))
+
+
+def test_publishing_leaves_the_trainers_own_default_group_alone(
+    child: ModelServerProcess, publisher: DistributedPublisher, tmp_path: Path
+) -> None:
+    """A trainer already in a data-parallel group (torch's default group) still publishes:
+    the weight group is private and the default group is untouched."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'dp_store'}", rank=0, world_size=1)
+    try:
+        default = dist.group.WORLD
+        publisher.publish(nudged(4), (publisher.version or 0) + 1)
+        assert dist.group.WORLD is default and dist.get_world_size() == 1
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor)  # the DP group still works
+        assert tensor.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
+    assert ask(child.url, "hi")["policy_version"] == publisher.version
+
+
+def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -> None:
+    """The server's join fails (here: its store is unreachable); the trainer hears of it through
+    /weights/status within about a second instead of waiting out its 60 s join timeout."""
+    import threading
+    import time
+
+    from gymbridge.generation.weights import WeightReceiver
+
+    gen = HFGenerator(tiny_policy(0), build_tiny_vlm(0).processor, max_model_len=256)
+    receiver = WeightReceiver(gen)
+
+    def unreachable(*args: Any) -> None:
+        raise WeightSyncError("could not reach the weight store at 127.0.0.1:1")
+
+    receiver._join = unreachable  # type: ignore[method-assign]
+    ready = threading.Event()
+    urls: list[str] = []
+    stop: list[asyncio.Event] = []
+
+    async def serve() -> None:
+        server = ModelServer(gen, config=ModelServerConfig(batching=False), weight_sink=receiver)
+        urls.append(await server.start())
+        stop.append(asyncio.Event())
+        ready.set()
+        await stop[0].wait()
+        await server.stop()
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert ready.wait(30)
+    publisher = DistributedPublisher(urls[0], timeout_s=60)
+    started = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):
+            publisher.publish(tiny_policy(0), 0)
+    finally:
+        publisher.close()
+        loop.call_soon_threadsafe(stop[0].set)
+        thread.join(30)
+    assert time.monotonic() - started < 10
