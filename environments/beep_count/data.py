@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 import soundfile as sf
 
-from environments._common import row_rng
+from environments._common import row_rng, shaped_launcher_defaults
 from gymbridge.media import encode_data_url
 
 ENV_NAME = "beep_count"
@@ -35,15 +35,7 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
-    "env_params": {"duration_s": 1.0, "max_beeps": 3},
-    "max_turns": 2,
-    "max_tokens": 16,
-    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-    "warmup": {"steps": 0},
-    "trainer": {"lr": 2.0e-2},
-}
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"duration_s": 1.0, "max_beeps": 3}, max_turns=2)
 """What ``gymbridge smoke run --env beep_count`` trains with (see ``environments.registry``)."""
 
 

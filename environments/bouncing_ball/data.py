@@ -25,7 +25,7 @@ from typing import Any
 import av
 import numpy as np
 
-from environments._common import row_rng
+from environments._common import row_rng, shaped_launcher_defaults
 from gymbridge.media import encode_data_url
 
 ENV_NAME = "bouncing_ball"
@@ -36,15 +36,7 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
-    "env_params": {"size": 32, "fps": 4, "duration_s": 1.0},
-    "max_turns": 2,
-    "max_tokens": 16,
-    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-    "warmup": {"steps": 0},
-    "trainer": {"lr": 2.0e-2},
-}
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 32, "fps": 4, "duration_s": 1.0}, max_turns=2)
 """What ``gymbridge smoke run --env bouncing_ball`` trains with (see ``environments.registry``)."""
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from environments._common import png_data_url, row_rng
+from environments._common import png_data_url, row_rng, shaped_launcher_defaults
 from gymbridge.server import image_part
 
 ENV_NAME = "circle_click"
@@ -42,15 +42,9 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
-    "env_params": {"img_size": 112, "radius_min": 8, "radius_max": 12},
-    "max_turns": 2,
-    "max_tokens": 16,
-    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-    "warmup": {"steps": 0},
-    "trainer": {"lr": 2.0e-2},
-}
+LAUNCHER_DEFAULTS = shaped_launcher_defaults(
+    {"img_size": 112, "radius_min": 8, "radius_max": 12}, max_turns=2
+)
 """What ``gymbridge smoke run --env circle_click`` trains with (see ``environments.registry``)."""
 
 

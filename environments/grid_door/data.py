@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from environments._common import row_rng
+from environments._common import row_rng, shaped_launcher_defaults
 from environments.grid_door.game import Cell, shortest_path
 
 ENV_NAME = "grid_door"
@@ -28,15 +28,7 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
-    "env_params": {"size": 4},
-    "max_turns": 4,
-    "max_tokens": 16,
-    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-    "warmup": {"steps": 0},
-    "trainer": {"lr": 2.0e-2},
-}
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 4}, max_turns=4)
 """What ``gymbridge smoke run --env grid_door`` trains with (see ``environments.registry``)."""
 
 

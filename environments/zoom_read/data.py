@@ -20,7 +20,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-from environments._common import png_data_url, row_rng
+from environments._common import png_data_url, row_rng, shaped_launcher_defaults
 from gymbridge.server import image_part
 
 ENV_NAME = "zoom_read"
@@ -34,15 +34,9 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    # the random tiny model never solves this task: a toy digit-rate bonus gives GRPO reward variance
-    "env_params": {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56},
-    "max_turns": 3,
-    "max_tokens": 16,
-    "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-    "warmup": {"steps": 0},
-    "trainer": {"lr": 2.0e-2},
-}
+LAUNCHER_DEFAULTS = shaped_launcher_defaults(
+    {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56}, max_turns=3
+)
 """What ``gymbridge smoke run --env zoom_read`` trains with (see ``environments.registry``)."""
 
 
