@@ -157,3 +157,11 @@ def test_env_flag_gets_the_environments_own_default_params() -> None:
     assert build_config(None, [], {"env": "counter"}).shaping.kind == "token_rate"  # its own defaults
     assert build_config(None, [], {"env": "counter"}).warmup.steps == 0
     assert get_env("color_pick").launcher_defaults()["shaping"] == {"kind": "none"}
+
+
+def test_native_rollouts_of_a_tool_env_whose_rows_offer_no_tools_do_not_reset(tmp_path: Path) -> None:
+    """Regression: native rollouts guessed gymnasium style from a row without ``tools`` and POSTed
+    ``/reset`` to color_pick (a tool-style env), so every rollout failed with HTTP 404."""
+    cfg = SmokeConfig(env="color_pick", native=True, **{**SMALL, "max_tokens": 4}, run_dir=str(tmp_path))
+    result = run_smoke(cfg, out=io.StringIO())
+    assert result.rollouts_failed == 0 and result.rollouts_ok == 4
