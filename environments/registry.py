@@ -70,7 +70,7 @@ class EnvSpec:
             valid = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
             raise ConfigError(
                 [f"{self.name}: unknown generator parameter {k!r} (valid: {valid})" for k in unknown],
-                source=f"environments.{self.name}.data",
+                source=f"{self.package}.data",
             )
 
     def launcher_defaults(self) -> dict[str, Any]:

@@ -112,26 +112,30 @@ class RolloutConfig(StrictModel):
 
 
 class SmokeConfig(StrictModel):
-    """The launcher's settings (``configs/smoke*.yaml``); every field can be overridden on the CLI."""
+    """The launcher's settings (``configs/smoke*.yaml``); every field can be overridden on the CLI.
 
-    env: str = "circle_click"
-    env_params: dict[str, Any] = Field(default_factory=dict)
+    The defaults are ``configs/smoke.yaml``'s values (a test checks that they agree)."""
+
+    env: str = "color_pick"
+    env_params: dict[str, Any] = Field(
+        default_factory=lambda: {"colors": "red,blue", "img_size": 56, "reveal": "prompt", "blank": False}
+    )
     """Data-generator parameters (``gymbridge env list --params``)."""
     native: bool = False
     """Native rollouts (``run_episode``) instead of agent + model server."""
-    steps: int = Field(3, ge=1)
+    steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(2, ge=1)
-    group_size: int = Field(4, ge=1)
-    min_group_size: int | None = Field(None, ge=1)
+    group_size: int = Field(8, ge=1)
+    min_group_size: int | None = Field(2, ge=1)
     seed: int = 0
     """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
     reproducible: bool = True
     """Seed every rollout's sampling from ``seed`` (see the module docstring)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
-    max_tokens: int = Field(24, ge=1)
+    max_tokens: int = Field(4, ge=1)
     """Generation budget per model call (``max_output_tokens`` of each row)."""
-    max_turns: int = Field(2, ge=1)
+    max_turns: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
     rollout_deadline_s: float = Field(120.0, gt=0)
     max_consecutive_failed_groups: int = Field(4, ge=1)
@@ -154,10 +158,10 @@ class SmokeConfig(StrictModel):
     from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
-    """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
-    warmup: WarmupConfig = Field(default_factory=WarmupConfig)
+    """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
+    warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
     """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
-    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
+    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
@@ -578,6 +582,17 @@ def resume_config(run_dir: str | Path) -> SmokeConfig:
 
 
 # ------------------------------------------------------------------------ CLI
+OTHER_ENV_DEFAULTS: dict[str, Any] = {
+    "env_params": {},
+    "max_turns": 2,
+    "max_tokens": 16,
+    "shaping": {"kind": "none"},
+    "warmup": {"steps": 0},
+}
+"""What ``--env NAME`` resets (the config file's values are for its own env); the environment's
+``LAUNCHER_DEFAULTS`` override these."""
+
+
 def build_config(
     config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
 ) -> SmokeConfig:
@@ -589,8 +604,8 @@ def build_config(
     env_flag = flags.get("env")
     if env_flag is not None and env_flag != data.get("env", SmokeConfig.model_fields["env"].default):
         # another environment than the file's: its own defaults, not the file's settings for another one
-        defaults = _environments().get_env(env_flag).launcher_defaults()
-        for key in ("env_params", "max_turns", "max_tokens", "shaping", "warmup"):
+        defaults = {**OTHER_ENV_DEFAULTS, **_environments().get_env(env_flag).launcher_defaults()}
+        for key in OTHER_ENV_DEFAULTS:
             data.pop(key, None)
         trainer_defaults = defaults.pop("trainer", {})
         data.update(defaults)

@@ -79,7 +79,7 @@ def test_cli_overrides_and_bad_values(tmp_path: Path) -> None:
         "bogus" in p for p in err.value.problems
     )
     with pytest.raises(ConfigError, match="env_params"):
-        run_smoke(SmokeConfig(env_params={"img_size": 40}, run_dir=str(tmp_path)), out=io.StringIO())
+        run_smoke(SmokeConfig(env_params={"img_size": 10}, run_dir=str(tmp_path)), out=io.StringIO())
 
 
 def test_module_entry_point_reports_config_errors(capsys: pytest.CaptureFixture[str]) -> None:
