@@ -5,7 +5,11 @@ module is imported only when its class is asked for. Every environment package h
 ``data.py`` (``make_row(seed, index, **params)`` and ``generate(n, seed, **params)``)
 and ``server.py`` (a :class:`gymbridge.server.ResourcesServer` subclass).
 
-Invariants: names are unique and equal the package folder name; generator parameters
+Third-party environments register through the ``gymbridge.environments`` entry point group
+(:data:`ENTRY_POINT_GROUP`) and appear in :func:`list_envs` / ``gymbridge env list`` after the
+built-in ones; a built-in name cannot be taken over.
+
+Invariants: names are unique and equal the package folder name (built-ins); generator parameters
 are the keyword-only parameters of ``make_row`` and nothing else (an unknown parameter is
 a :class:`~gymbridge.errors.ConfigError` listing the valid ones, never silently ignored).
 Each parameter is typed by its annotation (ranges as ``Annotated[int, Field(ge=...)]``);
@@ -16,11 +20,14 @@ problem at once. ``gymbridge env list --params`` shows the types and ranges.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
+import logging
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from importlib import metadata
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -31,7 +38,9 @@ from gymbridge.errors import ConfigError
 if TYPE_CHECKING:
     from gymbridge.server import ResourcesServer
 
-__all__ = ["ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]
+__all__ = ["ENTRY_POINT_GROUP", "ENVIRONMENTS", "EnvSpec", "get_env", "list_envs"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -43,10 +52,13 @@ class EnvSpec:
     modalities: tuple[str, ...]
     style: Literal["tools", "gymnasium"]
     server_class_name: str
+    package_name: str | None = None
+    """The package holding ``data.py`` and ``server.py`` (default ``gymbridge_envs.<name>``); a
+    third-party environment names its own."""
 
     @property
     def package(self) -> str:
-        return f"gymbridge_envs.{self.name}"
+        return self.package_name or f"gymbridge_envs.{self.name}"
 
     def data_module(self) -> ModuleType:
         return importlib.import_module(f"{self.package}.data")
@@ -94,8 +106,18 @@ class EnvSpec:
                     f"{self.name}: generator parameter {name} takes {wants}, got {value!r} ({reason})"
                 )
         if problems:
-            raise ConfigError(problems, source=f"gymbridge_envs.{self.name}.data")
+            raise ConfigError(problems, source=f"{self.package}.data")
         return checked
+
+    def launcher_defaults(self) -> dict[str, Any]:
+        """Launcher settings this environment trains with (``LAUNCHER_DEFAULTS`` of its data module).
+
+        Keys are launcher config keys (``env_params``, ``max_turns``, ``shaping``, ``warmup``, ...);
+        a launcher switched to this environment (``--env NAME``) applies them instead of the
+        config file's settings for another environment. ``{}`` when the module has none.
+        """
+        found = getattr(self.data_module(), "LAUNCHER_DEFAULTS", None)
+        return copy.deepcopy(dict(found)) if isinstance(found, Mapping) else {}
 
     def make_row(self, seed: int, index: int, **params: Any) -> dict[str, Any]:
         params = self.check_params(params)
@@ -142,6 +164,13 @@ ENVIRONMENTS: dict[str, EnvSpec] = {
     spec.name: spec
     for spec in (
         EnvSpec(
+            "color_pick",
+            "name the colour of a solid image (optionally shown by a look tool)",
+            ("image",),
+            "tools",
+            "ColorPickServer",
+        ),
+        EnvSpec(
             "circle_click", "click the centre of the named circle", ("image",), "tools", "CircleClickServer"
         ),
         EnvSpec(
@@ -171,13 +200,59 @@ ENVIRONMENTS: dict[str, EnvSpec] = {
 }
 
 
+ENTRY_POINT_GROUP = "gymbridge.environments"
+"""Third-party environments register here: ``[project.entry-points."gymbridge.environments"]
+NAME = "package.module:SPEC"``, where ``SPEC`` is an :class:`EnvSpec` (``package_name`` set to
+the package holding its ``data.py`` and ``server.py``) or a function returning one."""
+
+
+def _entry_point_spec(ep: metadata.EntryPoint) -> EnvSpec:
+    try:
+        found = ep.load()
+        spec = found() if callable(found) and not isinstance(found, EnvSpec) else found
+    except Exception as exc:  # a broken plug-in is named, not a crash of the whole registry
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: cannot load: {exc}"], source=ENTRY_POINT_GROUP
+        ) from exc
+    if not isinstance(spec, EnvSpec):
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: expected an EnvSpec, got {type(spec).__name__}"],
+            source=ENTRY_POINT_GROUP,
+        )
+    if spec.name != ep.name:
+        raise ConfigError(
+            [f"entry point {ep.name} = {ep.value!r}: its EnvSpec is named {spec.name!r}"],
+            source=ENTRY_POINT_GROUP,
+        )
+    return spec
+
+
+def discover_entry_points() -> list[metadata.EntryPoint]:
+    """The installed distributions' entry points of :data:`ENTRY_POINT_GROUP`."""
+    return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _entry_points() -> dict[str, metadata.EntryPoint]:
+    return {ep.name: ep for ep in discover_entry_points() if ep.name not in ENVIRONMENTS}
+
+
 def list_envs() -> list[EnvSpec]:
-    return list(ENVIRONMENTS.values())
+    """The built-in environments, then the registered third-party ones (a broken one is logged, skipped)."""
+    out = list(ENVIRONMENTS.values())
+    for ep in _entry_points().values():
+        try:
+            out.append(_entry_point_spec(ep))
+        except ConfigError as exc:
+            logger.warning("%s", exc)
+    return out
 
 
 def get_env(name: str) -> EnvSpec:
     """The environment called ``name``; :class:`~gymbridge.errors.ConfigError` when unknown."""
-    try:
+    if name in ENVIRONMENTS:
         return ENVIRONMENTS[name]
-    except KeyError:
-        raise ConfigError([f"unknown environment {name!r}; known: {', '.join(ENVIRONMENTS)}"]) from None
+    ep = _entry_points().get(name)
+    if ep is not None:
+        return _entry_point_spec(ep)
+    known = [*ENVIRONMENTS, *_entry_points()]
+    raise ConfigError([f"unknown environment {name!r}; known: {', '.join(known)}"]) from None

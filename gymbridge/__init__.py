@@ -60,9 +60,17 @@ _EXPORTS: dict[str, str] = {
     "HFGenerator": "gymbridge.generation",
     "VLLMGenerator": "gymbridge.generation",
     "run_episode": "gymbridge.rollout",
+    # bridge (rollout sources -> batches) + trainer
+    "BridgeIterator": "gymbridge.bridge",
+    "GymRollouts": "gymbridge.bridge",
+    "NativeRollouts": "gymbridge.bridge",
+    "RolloutSource": "gymbridge.bridge",
+    "GRPOConfig": "gymbridge.trainer",
+    "GRPOTrainer": "gymbridge.trainer",
 }
 
 __all__ = [
+    "BridgeIterator",
     "CheckEnvError",
     "CheckpointError",
     "ConfigError",
@@ -71,9 +79,12 @@ __all__ = [
     "EnvServerError",
     "EnvTimeoutError",
     "EnvTransportError",
+    "GRPOConfig",
+    "GRPOTrainer",
     "GenerationInput",
     "Generator",
     "GymClient",
+    "GymRollouts",
     "GymbridgeError",
     "HFGenerator",
     "MediaDecodeError",
@@ -83,11 +94,13 @@ __all__ = [
     "MediaPolicy",
     "MediaPolicyError",
     "MediaProcessor",
+    "NativeRollouts",
     "PackedTensor",
     "PayloadMeter",
     "ProtocolError",
     "ResourcesServer",
     "RolloutOutcome",
+    "RolloutSource",
     "SimpleAgent",
     "TrainBatch",
     "Trajectory",
@@ -105,6 +118,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from gymbridge.bridge import BridgeIterator, GymRollouts, NativeRollouts, RolloutSource
     from gymbridge.client import GymClient, RolloutOutcome
     from gymbridge.config import load_config
     from gymbridge.errors import (
@@ -129,6 +143,7 @@ if TYPE_CHECKING:
     from gymbridge.rollout import run_episode
     from gymbridge.server import ResourcesServer, SimpleAgent, check_env, serve
     from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch
+    from gymbridge.trainer import GRPOConfig, GRPOTrainer
     from gymbridge.trajectory import (
         ConversationHistory,
         GenerationInput,

@@ -77,6 +77,14 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
 }
 """Group name -> (help line, ``"module:function"`` adding its subcommands)."""
 
+SINGLE_COMMANDS: dict[str, tuple[str, str]] = {
+    "collect": (
+        "roll a dataset out through any NeMo Gym agent (ng_collect_rollouts): results + failures",
+        "gymbridge.collect:add_collect_arguments",
+    ),
+}
+"""Commands without subcommands: name -> (help line, ``"module:function"`` adding its arguments)."""
+
 
 # ---------------------------------------------------------------- env group
 EXAMPLES_PACKAGE = "gymbridge_envs"
@@ -265,7 +273,11 @@ def build_parser(groups: Sequence[str] | None = None) -> argparse.ArgumentParser
         "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="logging level"
     )
     top = parser.add_subparsers(dest="group", metavar="GROUP", required=True)
-    for name in groups if groups is not None else COMMAND_GROUPS:
+    for name in groups if groups is not None else [*COMMAND_GROUPS, *SINGLE_COMMANDS]:
+        if name in SINGLE_COMMANDS:
+            help_line, target = SINGLE_COMMANDS[name]
+            _load_group(target)(top.add_parser(name, help=help_line, description=help_line))  # type: ignore[arg-type]
+            continue
         help_line, target = COMMAND_GROUPS[name]
         group_parser = top.add_parser(name, help=help_line, description=help_line)
         sub = group_parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -277,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; return the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     # Build only the group being run (a broken group cannot break the others); all for --help.
-    chosen = [argv_item for argv_item in argv if argv_item in COMMAND_GROUPS][:1] or None
+    chosen = [a for a in argv if a in COMMAND_GROUPS or a in SINGLE_COMMANDS][:1] or None
     try:
         parser = build_parser(chosen)
     except ImportError as exc:

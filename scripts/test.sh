@@ -52,6 +52,17 @@ if [ -x scripts/setup_gym_venv.sh ] && [ "${GYMBRIDGE_SKIP_GYM:-0}" != "1" ]; th
     bash scripts/setup_gym_venv.sh || echo "!! gym venv setup failed: the gym suite will be skipped"
 fi
 
+# Headless Chromium for the run viewer test (a Debian package); installed once, never upgraded.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
+    echo "== installing chromium (viewer test)"
+    as_root=""
+    [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && as_root="sudo -n"
+    if ! { $as_root apt-get install -y -q chromium >/dev/null 2>&1 \
+        || { $as_root apt-get update -q >/dev/null 2>&1 && $as_root apt-get install -y -q chromium >/dev/null 2>&1; }; }; then
+        echo "!! chromium could not be installed: the viewer test fails where GYMBRIDGE_REQUIRE_CHROMIUM=1"
+    fi
+fi
+
 export RAY_AUTH_MODE=disabled
 echo "== ruff"
 "$VENV/bin/ruff" check .
@@ -64,4 +75,12 @@ set +e
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "pytest collected no tests"; fi
+# The learning controls (minutes each): run by the plain command (CI), not when pytest args are given.
+if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
+    echo "== pytest -m learning (the default smoke learns; the controls stay at chance)"
+    set +e
+    "$VENV/bin/python" -m pytest -m learning
+    rc=$?
+    set -e
+fi
 exit $rc

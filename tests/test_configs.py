@@ -35,3 +35,11 @@ def test_a_typo_is_an_error(tmp_path: Path) -> None:
     bad.write_text("steps: 2\ntrainer:\n  learning_rate: 0.1\n")
     with pytest.raises(ConfigError, match="learning_rate"):
         load_config(bad, SmokeConfig)
+
+
+def test_the_config_classes_defaults_are_the_shipped_default_config() -> None:
+    """One source of defaults: ``SmokeConfig()`` is what ``configs/smoke.yaml`` says."""
+    from gymbridge.trainer.smoke import DEFAULT_CONFIG
+
+    shipped = load_config(DEFAULT_CONFIG, SmokeConfig)
+    assert SmokeConfig().model_dump() == shipped.model_dump()

@@ -34,3 +34,13 @@ def test_import_gymbridge_does_not_import_torch() -> None:
     code = "import sys, gymbridge; gymbridge.GymbridgeError; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_flat_namespace_exports_the_loop_pieces() -> None:
+    """The README's loop (rollout sources -> BridgeIterator -> GRPOTrainer) imports from ``gymbridge``."""
+    import gymbridge
+    from gymbridge.bridge import BridgeIterator, GymRollouts, NativeRollouts
+    from gymbridge.trainer import GRPOConfig, GRPOTrainer
+
+    for obj in (BridgeIterator, GymRollouts, NativeRollouts, GRPOConfig, GRPOTrainer):
+        assert getattr(gymbridge, obj.__name__) is obj and obj.__name__ in gymbridge.__all__

@@ -26,7 +26,7 @@ import soundfile as sf
 from pydantic import Field
 
 from gymbridge.media import encode_data_url
-from gymbridge_envs._common import row_rng
+from gymbridge_envs._common import row_rng, shaped_launcher_defaults
 
 ENV_NAME = "beep_count"
 
@@ -34,6 +34,10 @@ SYSTEM_PROMPT = (
     "You are an audio assistant. Listen to the audio clip and count the short beeps in it. "
     "Call the answer tool with the count, or reply with <answer>N</answer>."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"duration_s": 1.0, "max_beeps": 3}, max_turns=2)
+"""What ``gymbridge smoke run --env beep_count`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def tools() -> list[dict[str, Any]]:

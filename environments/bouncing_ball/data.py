@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import Field
 
 from gymbridge.media import encode_data_url
-from gymbridge_envs._common import row_rng
+from gymbridge_envs._common import row_rng, shaped_launcher_defaults
 
 ENV_NAME = "bouncing_ball"
 
@@ -35,6 +35,10 @@ SYSTEM_PROMPT = (
     "You are a video assistant. Watch the video of a ball moving inside a box and count how many times it "
     "bounces off a wall. Call the answer tool with the count, or reply with <answer>N</answer>."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 32, "fps": 4, "duration_s": 1.0}, max_turns=2)
+"""What ``gymbridge smoke run --env bouncing_ball`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def tools() -> list[dict[str, Any]]:

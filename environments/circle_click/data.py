@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw
 from pydantic import Field
 
 from gymbridge.server import image_part
-from gymbridge_envs._common import png_data_url, row_rng
+from gymbridge_envs._common import png_data_url, row_rng, shaped_launcher_defaults
 
 ENV_NAME = "circle_click"
 
@@ -41,6 +41,12 @@ SYSTEM_PROMPT = (
     "corner. Use the click tool to click on the center of the specified colored circle. You must pass a "
     "single integer for x and a single integer for y."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults(
+    {"img_size": 112, "radius_min": 8, "radius_max": 12}, max_turns=2
+)
+"""What ``gymbridge smoke run --env circle_click`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gymbridge_envs._common import row_rng
+from gymbridge_envs._common import row_rng, shaped_launcher_defaults
 
 ENV_NAME = "counter"
 
@@ -24,6 +24,10 @@ SYSTEM_PROMPT = (
     "You operate a counter through tools. Do exactly what the user asks, one tool call per step, "
     "then reply with the final count."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({}, max_turns=4)
+"""What ``gymbridge smoke run --env counter`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def tools() -> list[dict[str, Any]]:

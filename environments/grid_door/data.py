@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gymbridge_envs._common import row_rng
+from gymbridge_envs._common import row_rng, shaped_launcher_defaults
 from gymbridge_envs.grid_door.game import Cell, shortest_path
 
 ENV_NAME = "grid_door"
@@ -28,6 +28,10 @@ SYSTEM_PROMPT = (
     "the key. Each turn you see the grid as an image and as text. Reply with exactly one action per turn: "
     "<action>up</action>, <action>down</action>, <action>left</action> or <action>right</action>."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 4}, max_turns=4)
+"""What ``gymbridge smoke run --env grid_door`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def make_row(

@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
 from gymbridge.server import image_part
-from gymbridge_envs._common import png_data_url, row_rng
+from gymbridge_envs._common import png_data_url, row_rng, shaped_launcher_defaults
 
 ENV_NAME = "zoom_read"
 TARGET_COLOR = (220, 30, 30)
@@ -33,6 +33,12 @@ SYSTEM_PROMPT = (
     "[x0, y0, x1, y1] in canvas pixel coordinates to see that region at full resolution; zoom as often "
     "as you need. When you can read the number in the red box, call answer with its digits."
 )
+
+
+LAUNCHER_DEFAULTS = shaped_launcher_defaults(
+    {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56}, max_turns=3
+)
+"""What ``gymbridge smoke run --env zoom_read`` trains with (see ``gymbridge_envs.registry``)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -80,6 +80,8 @@ from gymbridge.errors import ConfigError
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 from gymbridge.trainer.placement import GeneratorConfig
+from gymbridge.trainer.reporters import ReportTo
+from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
     from gymbridge.trainer.rundir import RunDir
@@ -109,17 +111,21 @@ class RolloutConfig(StrictModel):
 
 
 class SmokeConfig(StrictModel):
-    """The launcher's settings (``configs/smoke*.yaml``); every field can be overridden on the CLI."""
+    """The launcher's settings (``configs/smoke*.yaml``); every field can be overridden on the CLI.
 
-    env: str = "circle_click"
-    env_params: dict[str, Any] = Field(default_factory=dict)
+    The defaults are ``configs/smoke.yaml``'s values (a test checks that they agree)."""
+
+    env: str = "color_pick"
+    env_params: dict[str, Any] = Field(
+        default_factory=lambda: {"colors": "red,blue", "img_size": 56, "reveal": "prompt", "blank": False}
+    )
     """Data-generator parameters (``gymbridge env list --params``)."""
     native: bool = False
     """Native rollouts (``run_episode``) instead of agent + model server."""
-    steps: int = Field(3, ge=1)
+    steps: int = Field(100, ge=1)
     prompts_per_step: int = Field(2, ge=1)
-    group_size: int = Field(4, ge=1)
-    min_group_size: int | None = Field(None, ge=1)
+    group_size: int = Field(8, ge=1)
+    min_group_size: int | None = Field(2, ge=1)
     seed: int = 0
     """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
     reproducible: bool = True
@@ -129,9 +135,9 @@ class SmokeConfig(StrictModel):
     modalities include video or audio, else the Qwen2-VL (images)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
-    max_tokens: int = Field(24, ge=1)
+    max_tokens: int = Field(4, ge=1)
     """Generation budget per model call (``max_output_tokens`` of each row)."""
-    max_turns: int = Field(2, ge=1)
+    max_turns: int = Field(1, ge=1)
     max_model_len: int = Field(2048, ge=16)
     rollout_deadline_s: float = Field(120.0, gt=0)
     max_consecutive_failed_groups: int = Field(4, ge=1)
@@ -145,6 +151,10 @@ class SmokeConfig(StrictModel):
     run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
     """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
     default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
+    report_to: list[ReportTo] = Field(default_factory=list)
+    """Also send each step's metrics record to ``wandb`` / ``tensorboard`` (optional extras)."""
+    chart_every: int = Field(5, ge=1)
+    """Redraw ``charts/`` every N steps (and at the end); rollouts and the viewer update every step."""
     checkpoint_every: int = Field(0, ge=0)
     """> 0: write a run checkpoint every N steps and after the last one (``--resume`` continues
     from the latest)."""
@@ -152,8 +162,10 @@ class SmokeConfig(StrictModel):
     reward_components_check: Literal["sum", "off"] = "off"
     """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
-    """Toy dense shaping added to the environment reward (``configs/smoke.yaml`` turns it on)."""
-    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=1e-4))
+    """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
+    warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
+    """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
+    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
@@ -338,11 +350,13 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
+    from gymbridge.trainer.artifacts import RunArtifacts
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config
     from gymbridge.trainer.placement import start_generator
+    from gymbridge.trainer.reporters import open_reporters
     from gymbridge.trainer.rundir import payload_delta, step_record
 
     started = time.perf_counter()
@@ -389,6 +403,19 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             else "resumed: no checkpoint yet, starting from step 1",
             file=out,
         )
+    if not resume:  # a resumed run's checkpoint holds the warmed-up weights
+        from gymbridge.generation.hf import HFGenerator
+        from gymbridge.trainer.warmup import warmup_for_env
+
+        # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
+        renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
+        warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, renderer, cfg.warmup)
+        if warm is not None:
+            print(
+                f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets, "
+                f"loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)",
+                file=out,
+            )
     version = state.policy_version if state is not None else 0
 
     async with contextlib.AsyncExitStack() as stack:
@@ -420,6 +447,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 timeout_s=cfg.rollout_deadline_s,
                 meter=meter,
                 seed=cfg.seed if cfg.reproducible else None,
+                # the env's declared style, not a guess from the row (a tool env may offer no tools)
+                mode="gymnasium" if spec.style == "gymnasium" else "tools",
             )
         else:
             from gymbridge.client import GymClient
@@ -483,6 +512,10 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             drop_stale=cfg.rollout.max_staleness > 0 or cfg.trainer.ratio_tolerance is None,
         )
         stack.push_async_callback(bridge.aclose)
+        artifacts = RunArtifacts(run.path, decode=tiny.tokenizer.decode, chart_every=cfg.chart_every)
+        reporters = open_reporters(cfg.report_to, run.path, cfg.model_dump(mode="json"))
+        for reporter in reporters:
+            stack.callback(reporter.close)
         first = state.step + 1 if state is not None else 1
         result.resumed_from_step = first - 1
         if first > cfg.steps:
@@ -525,6 +558,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             )
             run.append_metrics(record)
             result.records.append(record)
+            await asyncio.to_thread(artifacts.record_step, step, bridge.last_groups, run.metrics())
+            for reporter in reporters:
+                reporter.log(step, record)
             bar.update(1)
             bar.clear()
             line = _step_line(
@@ -575,6 +611,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         f"{result.elapsed_s:.1f}s total; metrics: {run.metrics_path}, failures: {run.failures_path}",
         file=out,
     )
+    artifacts.finish(run.metrics())
+    print(f"charts: {artifacts.charts_path}/\nviewer: {artifacts.viewer_path}", file=out, flush=True)
     return result
 
 
@@ -618,6 +656,17 @@ def resume_config(run_dir: str | Path) -> SmokeConfig:
 
 
 # ------------------------------------------------------------------------ CLI
+OTHER_ENV_DEFAULTS: dict[str, Any] = {
+    "env_params": {},
+    "max_turns": 2,
+    "max_tokens": 16,
+    "shaping": {"kind": "none"},
+    "warmup": {"steps": 0},
+}
+"""What ``--env NAME`` resets (the config file's values are for its own env); the environment's
+``LAUNCHER_DEFAULTS`` override these."""
+
+
 def build_config(
     config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
 ) -> SmokeConfig:
@@ -631,9 +680,14 @@ def build_config(
     if config_path is not None or path.is_file():
         data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
     env_flag = flags.get("env")
-    if env_flag is not None and env_flag != data.get("env", env_flag):
-        # the file's env_params are its own env's generator parameters: another env gets its defaults
-        data.pop("env_params", None)
+    if env_flag is not None and env_flag != data.get("env", SmokeConfig.model_fields["env"].default):
+        # another environment than the file's: its own defaults, not the file's settings for another one
+        defaults = {**OTHER_ENV_DEFAULTS, **load_example_environments().get_env(env_flag).launcher_defaults()}
+        for key in OTHER_ENV_DEFAULTS:
+            data.pop(key, None)
+        trainer_defaults = defaults.pop("trainer", {})
+        data.update(defaults)
+        data["trainer"] = {**data.get("trainer", {}), **trainer_defaults}
     for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
         node = data
         parts = key.split(".")

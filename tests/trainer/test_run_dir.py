@@ -51,7 +51,7 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
     assert out.splitlines()[0] == f"run dir: {run_dir}"  # printed first
     saved = SmokeConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert saved.steps == 3 and saved.native and saved.checkpoint_every == 2 and saved.run_dir == str(run_dir)
-    assert saved.shaping.kind == "token_rate"  # the resolved config: configs/smoke.yaml's values included
+    assert saved.warmup.steps == 40  # the resolved config: configs/smoke.yaml's values included
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
@@ -89,14 +89,18 @@ def test_default_run_dir_is_under_runs_and_kept(
     monkeypatch.chdir(tmp_path)
     assert smoke.main([*SMALL, "--steps", "1", "--no-progress", "--set", "payload_metrics=false"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.startswith("run dir: runs/circle_click-")
+    assert first.startswith("run dir: runs/color_pick-")
     run_dir = tmp_path / first.removeprefix("run dir: ")
     assert sorted(os.listdir(run_dir)) == [
+        "charts",
         "checkpoints",
         "config.yaml",
         "dataset.jsonl",
         "failures.jsonl",
+        "media",
         "metrics.jsonl",
+        "rollouts",
+        "viewer",
     ]
 
 

@@ -64,7 +64,7 @@ def test_a_generator_left_at_the_step0_weights_fails_the_drift_guard(tmp_path: P
     cfg = build_config(
         None,
         [("generator.publish_weights", False), ("steps", 4), ("work_dir", str(tmp_path))],
-        {},
+        {"env": "circle_click"},  # its toy shaping: the trainer's weights move from step 1 on
     )
     out = io.StringIO()
     with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's") as info:
