@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from gymbridge.cli import load_example_environments
 from gymbridge.errors import ConfigError
 from gymbridge.trainer import smoke
 from gymbridge.trainer.smoke import SmokeConfig, build_config, run_smoke
@@ -162,7 +163,10 @@ def test_smoke_trains_audio_and_video_envs_on_the_omni_model(
     cfg = build_config(
         None, [], {"env": env, "native": native, "work_dir": str(tmp_path), **SMALL, "steps": 1}
     )
-    assert cfg.env_params == {}  # configs/smoke.yaml's circle_click parameters do not leak into another env
+    # the default config's color_pick parameters do not leak into another env: it gets its own defaults
+    assert cfg.env_params == load_example_environments().get_env(env).launcher_defaults().get(
+        "env_params", {}
+    )
     result = run_smoke(cfg, out=out)
     text = out.getvalue()
     assert "model: gymbridge-tiny-qwen2.5-omni-seed0" in text
