@@ -276,8 +276,9 @@ class HFGenerator:
         function the trainer's batches use), one at a time; a modality's tensors are
         concatenated in row order, then in the order of the row's media.
         """
-        from gymbridge.tensors.processor import num_placeholders, process_decoded
+        from gymbridge.tensors.processor import num_placeholders, process_decoded, sub_processors
 
+        subs = sub_processors(self.processor)
         per_key: dict[str, list[torch.Tensor]] = {}
         for i, inp in enumerate(inputs):
             for modality in inp.multi_modal_data:
@@ -293,7 +294,7 @@ class HFGenerator:
                             f"{_PLURAL[modality]} were given"
                         )
                     continue
-                sub = self._sub_processor(modality)
+                sub = subs.get(modality)
                 if sub is None:
                     raise ProtocolError(f"this model's processor cannot take {modality} (input {i})")
                 want = 0
@@ -316,12 +317,6 @@ class HFGenerator:
                     )
         device = self.model.device
         return {k: torch.cat(v, dim=0).to(device) for k, v in per_key.items()}
-
-    def _sub_processor(self, modality: str) -> Any | None:
-        attr = {"image": "image_processor", "video": "video_processor", "audio": "feature_extractor"}[
-            modality
-        ]
-        return getattr(self.processor, attr, None)
 
     def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """``[B, L]`` modality of each token (0 text, 1 image, 2 video), as Qwen-VL's M-RoPE needs."""

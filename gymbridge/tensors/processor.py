@@ -61,6 +61,7 @@ __all__ = [
     "forward_media_kwargs",
     "num_placeholders",
     "process_decoded",
+    "sub_processors",
 ]
 
 MEDIA_KEY_MODALITY: dict[str, str] = {
@@ -257,6 +258,25 @@ def _config_of(sub: Any) -> str:
     return json.dumps(cfg, sort_keys=True, default=str)
 
 
+def sub_processors(processor: Any) -> dict[str, Any]:
+    """Modality -> the part of a Hugging Face ``processor`` that handles it.
+
+    ``image_processor`` (or the processor itself when it is a bare image processor),
+    ``video_processor`` and ``feature_extractor`` (audio); a modality it lacks is absent.
+    """
+    subs: dict[str, Any] = {}
+    image_proc = getattr(processor, "image_processor", None)
+    if image_proc is None and "pixel_values" in getattr(processor, "model_input_names", ()):
+        image_proc = processor  # a bare image processor
+    if image_proc is not None:
+        subs["image"] = image_proc
+    if (video_proc := getattr(processor, "video_processor", None)) is not None:
+        subs["video"] = video_proc
+    if (audio_proc := getattr(processor, "feature_extractor", None)) is not None:
+        subs["audio"] = audio_proc
+    return subs
+
+
 class MediaProcessor:
     """Process media into model-input tensors once per content key (see the module docstring).
 
@@ -276,16 +296,7 @@ class MediaProcessor:
         audio_token_id: int | None = None,
     ) -> None:
         self.processor = processor
-        self._subs: dict[str, Any] = {}
-        image_proc = getattr(processor, "image_processor", None)
-        if image_proc is None and "pixel_values" in getattr(processor, "model_input_names", ()):
-            image_proc = processor  # a bare image processor
-        if image_proc is not None:
-            self._subs["image"] = image_proc
-        if (video_proc := getattr(processor, "video_processor", None)) is not None:
-            self._subs["video"] = video_proc
-        if (audio_proc := getattr(processor, "feature_extractor", None)) is not None:
-            self._subs["audio"] = audio_proc
+        self._subs = sub_processors(processor)
         if not self._subs:
             raise TypeError(f"{type(processor).__name__} has no image/video/audio sub-processor")
         base = name or f"{type(processor).__module__}.{type(processor).__qualname__}"
