@@ -415,29 +415,42 @@ class TrainBatch:
             out.append(self.select(torch.sort(idx).values))
         return out
 
-    def micro_batches(self, max_tokens: int) -> list[TrainBatch]:
-        """Dynamic batching: micro-batches whose padded size (rows x longest row) fits ``max_tokens``.
+    def micro_batches(self, max_tokens: int, *, packed: bool = False) -> list[TrainBatch]:
+        """Dynamic batching: micro-batches of at most ``max_tokens`` tokens per forward pass.
 
-        Rows are grouped longest first (similar lengths together, less padding); inside a
-        micro-batch rows keep their batch order and padding is trimmed. Every row lands
-        in exactly one micro-batch; a row longer than ``max_tokens`` raises ``ValueError``.
+        ``packed=False`` counts padded tokens (rows x longest row): rows are grouped longest
+        first (similar lengths together, less padding). ``packed=True`` counts real tokens
+        (the sum of the rows' lengths: the rows will be concatenated into one sequence, see
+        :mod:`gymbridge.trainer.packing`) and fills the micro-batches first-fit decreasing.
+        Either way, inside a micro-batch rows keep their batch order (their media, concatenated
+        in that order, still line up with the placeholders) and padding is trimmed; micro-batches
+        are ordered by their first row. Every row lands in exactly one micro-batch; a row longer
+        than ``max_tokens`` gets a micro-batch of its own (logged) instead of failing the step.
         """
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        lengths = self.lengths
-        if len(self) and int(lengths.max()) > max_tokens:
-            worst = int(lengths.argmax())
-            raise ValueError(f"row {worst} has {int(lengths[worst])} tokens, over max_tokens={max_tokens}")
-        order = torch.argsort(lengths, descending=True, stable=True).tolist()
-        bins: list[list[int]] = []
-        longest = 0
-        for i in order:
-            if bins and (len(bins[-1]) + 1) * longest <= max_tokens:
-                bins[-1].append(i)
-                continue
-            bins.append([i])
-            longest = max(int(lengths[i]), 1)
-        return [self.select(sorted(b)).trim() for b in bins]
+        lengths = [int(n) for n in self.lengths.tolist()]
+        over = [i for i, n in enumerate(lengths) if n > max_tokens]
+        if over:
+            logger.warning(
+                "%d row(s) longer than the micro-batch budget of %d tokens (longest %d) run alone",
+                len(over),
+                max_tokens,
+                max(lengths[i] for i in over),
+            )
+        if packed:
+            bins = _first_fit_decreasing(lengths, max_tokens)
+        else:
+            bins = []
+            longest = 0
+            for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+                if bins and (len(bins[-1]) + 1) * longest <= max_tokens:
+                    bins[-1].append(i)
+                    continue
+                bins.append([i])
+                longest = max(lengths[i], 1)
+        ordered = sorted((sorted(b) for b in bins), key=lambda b: b[0])
+        return [self.select(b).trim() for b in ordered]
 
     def pack(self, max_len: int) -> PackedBatch:
         """Sequence packing: rows into bins of ``max_len`` tokens (first-fit decreasing).
@@ -451,18 +464,7 @@ class TrainBatch:
         if len(self) and int(lengths.max()) > max_len:
             worst = int(lengths.argmax())
             raise ValueError(f"row {worst} has {int(lengths[worst])} tokens, over max_len={max_len}")
-        room: list[int] = []
-        bins: list[list[int]] = []
-        for i in torch.argsort(lengths, descending=True, stable=True).tolist():
-            need = int(lengths[i])
-            for b, free in enumerate(room):
-                if free >= need:
-                    bins[b].append(i)
-                    room[b] -= need
-                    break
-            else:
-                bins.append([i])
-                room.append(max_len - need)
+        bins = _first_fit_decreasing([int(n) for n in lengths.tolist()], max_len)
         row_index = torch.tensor([i for b in bins for i in b], dtype=torch.int64)
         seq_lens = lengths[row_index]
         bin_sizes = torch.tensor([len(b) for b in bins], dtype=torch.int64)
@@ -582,6 +584,27 @@ class PackedBatch:
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         state = _dataclass_state(self, protocol.__index__())
         return (_rebuild_dataclass, (PackedBatch, state))
+
+
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bins of row indices whose lengths sum to at most ``capacity`` (a longer row alone in its bin).
+
+    Longest first (stable: equal lengths keep their order); each row goes into the first bin
+    with room. Rows appear in a bin in the order they were placed (longest first).
+    """
+    room: list[int] = []
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        need = lengths[i]
+        for b, free in enumerate(room):
+            if free >= need:
+                bins[b].append(i)
+                room[b] -= need
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - need)
+    return bins
 
 
 def _dataclass_state(obj: Any, protocol: int) -> dict[str, Any]:

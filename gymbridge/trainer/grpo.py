@@ -82,6 +82,7 @@ from pydantic import Field, model_validator
 from gymbridge.config import StrictModel
 from gymbridge.errors import PolicyDriftError, TrajectoryError
 from gymbridge.generation.types import media_special_token_ids
+from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs
 
 if TYPE_CHECKING:
     from gymbridge.tensors import TrainBatch
@@ -111,8 +112,12 @@ class GRPOConfig(StrictModel):
     max_grad_norm: float | None = 1.0
     temperature: float = 1.0
     """The sampling temperature of the rollouts: new logprobs use the same scaled distribution."""
-    micro_batch_max_tokens: int = 8192
-    """Padded tokens (rows x longest row) per forward pass."""
+    micro_batch_max_tokens: int = Field(8192, ge=1)
+    """Tokens per forward pass: padded tokens (rows x longest row), or with ``sequence_packing`` the
+    real tokens of the packed sequence. A longer row runs alone in a micro-batch of its own."""
+    sequence_packing: bool = False
+    """Run each micro-batch's rows as one packed sequence (block-diagonal causal mask, the model's
+    own M-RoPE positions per row: :mod:`gymbridge.trainer.packing`) instead of padded rows."""
     suppress_token_ids: tuple[int, ...] | None = None
     """Token ids the generator never samples (logits -inf): new logprobs renormalise without them.
     ``None``: the policy's media placeholder / vision boundary ids (what ``HFGenerator`` masks);
@@ -159,6 +164,10 @@ class StepMetrics:
     """Seconds spent publishing this step's weights to the generator; set by the launcher."""
     is_capped_fraction: float = 0.0
     """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
+    packed_sequences: int = 0
+    """Packed sequences the forward passes ran (one per micro-batch with ``sequence_packing``; else 0)."""
+    padding_fraction: float = 0.0
+    """Padding tokens over all tokens the forward passes ran (0 when packed)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -181,6 +190,12 @@ class GradientResult:
     """Largest ``|new - old|`` logprob over those tokens."""
     capped_tokens: int = 0
     """Tokens whose importance weight ``is_cap`` truncated."""
+    tokens_run: int = 0
+    """Tokens the forward passes computed (padding included)."""
+    padding_tokens: int = 0
+    """Of those, padding."""
+    packed_sequences: int = 0
+    """Packed sequences run (``sequence_packing``)."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -271,19 +286,26 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     suppress_token_ids: Sequence[int] | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
 
     One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
     The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
     model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask).
+    ``packed``: the rows run as one packed sequence (:mod:`gymbridge.trainer.packing`); the
+    result is unpacked to the same ``[B, L]`` layout.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
-    logits = model(**_forward_kwargs(model, batch)).logits.float()
+    kwargs = _forward_kwargs(model, batch)
+    rows: PackedRows | None = None
+    if packed:
+        kwargs, rows = packed_forward_kwargs(model, kwargs)
+    logits = model(**kwargs).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    ids = batch.input_ids.to(logits.device)
+    ids = (rows.pack(batch.input_ids) if rows is not None else batch.input_ids).to(logits.device)
     logits = logits[:, :-1]
     if suppress_token_ids is None:
         suppress_token_ids = media_special_token_ids(model.config)
@@ -297,6 +319,8 @@ def token_logprobs(
         lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:] = lp
+    if rows is not None:  # a row's first token follows the previous row: no logprob there
+        return rows.unpack(out)
     return out * batch.attention_mask.to(out.device)
 
 
@@ -360,6 +384,8 @@ class GRPOTrainer:
         self.model = model
         self.config = config or GRPOConfig()
         self.on_policy = on_policy
+        if self.config.sequence_packing:
+            check_packable(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(
             self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
@@ -380,14 +406,23 @@ class GRPOTrainer:
             return result
         self.model.eval()
         loss_sum = ratio_sum = kl_sum = 0.0
-        clipped = capped = 0
+        clipped = capped = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
-        for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
+        packed = cfg.sequence_packing
+        for mb in batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed):
             if float(mb.loss_mask.sum()) == 0:
                 continue
             new_lp = token_logprobs(
-                self.model, mb, temperature=cfg.temperature, suppress_token_ids=cfg.suppress_token_ids
+                self.model,
+                mb,
+                temperature=cfg.temperature,
+                suppress_token_ids=cfg.suppress_token_ids,
+                packed=packed,
             )
+            run = mb.num_tokens if packed else len(mb) * mb.seq_len
+            tokens_run += run
+            padding += run - mb.num_tokens
+            sequences += int(packed)
             loss, stats = grpo_token_loss(
                 new_lp,
                 mb.logprobs,
@@ -420,6 +455,9 @@ class GRPOTrainer:
             first_ratio_mean=first_mean,
             first_max_abs_log=first_max,
             capped_tokens=capped,
+            tokens_run=tokens_run,
+            padding_tokens=padding,
+            packed_sequences=sequences,
         )
 
     def check_drift(self, first: GradientResult) -> None:
@@ -500,4 +538,6 @@ def summarize(
         ratio_mean=lead.first_ratio_mean if lead is not None else 1.0,
         ratio_max_abs_log=lead.first_max_abs_log if lead is not None else 0.0,
         is_capped_fraction=sum(p.capped_tokens for p in parts) / max(tokens, 1),
+        packed_sequences=sum(p.packed_sequences for p in parts),
+        padding_fraction=sum(p.padding_tokens for p in parts) / max(sum(p.tokens_run for p in parts), 1),
     )

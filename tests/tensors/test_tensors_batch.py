@@ -224,8 +224,32 @@ def test_micro_batches_respect_the_token_budget(batch: TrainBatch) -> None:
         assert m.seq_len == int(m.lengths.max())  # trimmed
         assert len(m.media["pixel_values"]) == len(m)
     assert len(batch.micro_batches(10**9)) == 1
-    with pytest.raises(ValueError, match="over max_tokens"):
-        batch.micro_batches(int(batch.lengths.max()) - 1)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own(batch: TrainBatch, packed: bool) -> None:
+    """Regression: a row over ``micro_batch_max_tokens`` used to raise ValueError and fail the step."""
+    lengths = batch.lengths.tolist()
+    budget = int(batch.lengths.max()) - 1
+    mbs = batch.micro_batches(budget, packed=packed)
+    rows = [m.sample_ids.tolist() for m in mbs]
+    assert sorted(r for b in rows for r in b) == list(range(len(batch)))
+    for m, ids in zip(mbs, rows, strict=True):
+        assert ids == sorted(ids)  # batch order inside a micro-batch
+        run = int(m.lengths.sum()) if packed else len(m) * m.seq_len
+        assert run <= budget or (len(m) == 1 and lengths[ids[0]] > budget)
+    over = [i for i, n in enumerate(lengths) if n > budget]
+    assert over and all([i] in rows for i in over)
+    assert [b[0] for b in rows] == sorted(b[0] for b in rows)  # micro-batches in order of their first row
+
+
+def test_packed_micro_batches_fill_the_budget_with_real_tokens(batch: TrainBatch) -> None:
+    budget = int(batch.lengths.max()) * 3
+    padded, packed = batch.micro_batches(budget), batch.micro_batches(budget, packed=True)
+    assert all(int(m.lengths.sum()) <= budget for m in packed)
+    assert len(packed) <= len(padded)
+    for m in packed:
+        assert len(m.media["pixel_values"]) == len(m)  # media follow their rows
 
 
 def test_pack_puts_rows_into_bins_and_media_follow(batch: TrainBatch) -> None:

@@ -1,0 +1,264 @@
+"""Sequence packing in the GRPO step: packed equals padded, with the model's own M-RoPE positions."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from packing_helpers import media_batch
+
+from gymbridge.errors import ConfigError
+from gymbridge.media import MediaItem
+from gymbridge.tensors import TrainBatch
+from gymbridge.testing.tiny_omni import TinyOmni
+from gymbridge.testing.tiny_vlm import TinyVLM
+from gymbridge.trainer import GradientResult, GRPOConfig, GRPOTrainer, packing, tiny_policy, token_logprobs
+from gymbridge.trainer.grpo import _forward_kwargs
+from gymbridge.trainer.models import tiny_omni_policy
+from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs, rope_position_ids
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from omni_helpers import mp4_bytes, png_bytes, wav_bytes  # noqa: E402
+
+BUDGET = 90  # tokens per forward pass: the VLM batch below needs several micro-batches either way
+
+
+def _image(color: tuple[int, int, int], size: int = 56) -> MediaItem:
+    return MediaItem.from_bytes(png_bytes(color, size), "image", mime="image/png")
+
+
+@pytest.fixture(scope="module")
+def vlm_batch(tiny: TinyVLM) -> TrainBatch:
+    """Six rows of different lengths: one image, two images (one 112 px), none, another image, ..."""
+    red, blue, big = _image((200, 30, 30)), _image((20, 40, 220)), _image((20, 130, 30), 112)
+    rows = [([red], 3), ([red, big], 8), ([], 5), ([blue], 12), ([big], 2), ([], 9)]
+    return media_batch(tiny.tokenizer, tiny.processor, rows)
+
+
+@pytest.fixture(scope="module")
+def omni_batch(tiny_omni: TinyOmni) -> TrainBatch:
+    img, wide = _image((200, 30, 30)), _image((20, 130, 30), 112)
+    clip = MediaItem.from_bytes(wav_bytes(1.0), "audio", mime="audio/wav")
+    video = MediaItem.from_bytes(mp4_bytes(), "video", mime="video/mp4")
+    rows = [([img], 5), ([clip], 9), ([video], 3), ([], 7), ([wide, clip], 4), ([img], 6)]
+    return media_batch(tiny_omni.tokenizer, tiny_omni.processor, rows)
+
+
+def _off_policy(model: Any, batch: TrainBatch) -> TrainBatch:
+    """``batch`` with generation logprobs a little off the model's (nonzero loss, some clipping)."""
+    with torch.no_grad():
+        lp = token_logprobs(model, batch)
+    wobble = 0.3 * torch.sin(torch.arange(batch.seq_len, dtype=torch.float32))[None]
+    return replace(batch, logprobs=(lp + wobble) * batch.loss_mask)
+
+
+def _gradients(model: Any, batch: TrainBatch, **cfg: Any) -> GradientResult:
+    return GRPOTrainer(model, GRPOConfig(**cfg), on_policy=False).compute_gradients(batch)
+
+
+def _assert_same_step(a: GradientResult, b: GradientResult) -> None:
+    assert b.loss_sum == pytest.approx(a.loss_sum, abs=1e-6)
+    assert (b.loss_tokens, b.clipped_tokens) == (a.loss_tokens, a.clipped_tokens)
+    assert b.ratio_sum == pytest.approx(a.ratio_sum, rel=1e-6)
+    assert any(float(g.abs().sum()) > 0 for g in a.grads)
+    for x, y in zip(a.grads, b.grads, strict=True):
+        torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_logprobs_loss_and_gradients_equal_the_padded_step(
+    tiny: TinyVLM, vlm_batch: TrainBatch, attn: str
+) -> None:
+    model = tiny_policy(0)
+    model.set_attn_implementation(attn)
+    batch = _off_policy(model, vlm_batch)
+    with torch.no_grad():
+        padded = token_logprobs(model, batch)
+        packed = token_logprobs(model, batch, packed=True)
+    assert float((padded * batch.loss_mask).abs().sum()) > 0
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    ref = _gradients(model, batch, micro_batch_max_tokens=BUDGET)
+    got = _gradients(model, batch, micro_batch_max_tokens=BUDGET, sequence_packing=True)
+    assert got.packed_sequences >= 2 and ref.packed_sequences == 0  # several packed sequences were run
+    assert abs(ref.loss_sum) > 1e-3
+    _assert_same_step(ref, got)
+
+
+def test_one_d_positions_would_not_match_the_padded_step(
+    tiny: TinyVLM, vlm_batch: TrainBatch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The equality above needs Qwen2-VL's M-RoPE: packed with 1-D positions (arange per row), the
+    rows with images get other logprobs, the text-only rows the same."""
+    model = tiny_policy(0)
+    with torch.no_grad():
+        padded = token_logprobs(model, vlm_batch)
+        monkeypatch.setattr(packing, "rope_position_ids", lambda model, kwargs: None)
+        one_d = token_logprobs(model, vlm_batch, packed=True)
+    diff = (one_d - padded).abs().amax(dim=1)
+    has_image = (vlm_batch.input_ids == tiny.image_token_id).any(dim=1)
+    assert bool((diff[has_image] > 1e-3).all()), diff
+    assert bool((diff[~has_image] < 1e-5).all()), diff
+
+
+def test_packed_positions_are_each_rows_own_m_rope(tiny: TinyVLM, vlm_batch: TrainBatch) -> None:
+    """Row ``b``'s slice of the packed positions is ``get_rope_index`` of row ``b`` alone (its own ids,
+    grids and mask); for rows with an image that is not ``arange``."""
+    model = tiny_policy(0)
+    kwargs, rows = packed_forward_kwargs(model, _forward_kwargs(model, vlm_batch))
+    positions = kwargs["position_ids"]
+    assert positions.shape == (3, 1, vlm_batch.num_tokens)
+    assert kwargs["input_ids"].shape == (1, vlm_batch.num_tokens)
+    for b in range(len(vlm_batch)):
+        alone = vlm_batch.select([b]).trim()
+        own = rope_position_ids(model, _forward_kwargs(model, alone))
+        n, start = int(rows.lengths[b]), int(rows.starts[b])
+        mine = positions[:, 0, start : start + n]
+        if own is None:  # no media in the row: the model's own positions are 1-D
+            own = torch.arange(n).expand(3, 1, n)
+        assert torch.equal(mine, own[:, 0]), b
+        images = bool((alone.input_ids == tiny.image_token_id).any())
+        assert torch.equal(mine, torch.arange(n).expand(3, n)) != images, b
+
+
+def test_rows_of_a_packed_sequence_do_not_see_each_other(tiny: TinyVLM, vlm_batch: TrainBatch) -> None:
+    model = tiny_policy(0)
+    ids = vlm_batch.input_ids.clone()
+    ids[0, 1:4] = torch.tensor([50, 51, 52])  # row 0's text changes
+    changed = replace(vlm_batch, input_ids=ids)
+    with torch.no_grad():
+        a = token_logprobs(model, vlm_batch, packed=True)
+        b = token_logprobs(model, changed, packed=True)
+    assert not torch.allclose(a[0], b[0])
+    torch.testing.assert_close(a[1:], b[1:], atol=1e-6, rtol=1e-6)
+
+
+def test_packed_omni_thinker_with_image_audio_and_video_rows_equals_padded(
+    tiny_omni: TinyOmni, omni_batch: TrainBatch
+) -> None:
+    """Qwen2.5-Omni's ``get_rope_index`` takes audio lengths and video timing too: packing covers it."""
+    model = tiny_omni_policy(0)
+    check_packable(model)
+    assert {"input_features", "pixel_values_videos", "pixel_values"} <= set(omni_batch.media)
+    batch = _off_policy(model, omni_batch)
+    with torch.no_grad():
+        padded = token_logprobs(model, batch)
+        packed = token_logprobs(model, batch, packed=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    ref = _gradients(model, batch, micro_batch_max_tokens=100)
+    got = _gradients(model, batch, micro_batch_max_tokens=100, sequence_packing=True)
+    assert got.packed_sequences >= 2
+    _assert_same_step(ref, got)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_row_longer_than_the_budget_trains_in_a_micro_batch_of_its_own(
+    tiny: TinyVLM, vlm_batch: TrainBatch, packed: bool
+) -> None:
+    """Regression: a row over ``micro_batch_max_tokens`` used to fail the whole step (ValueError)."""
+    model = tiny_policy(0)
+    batch = _off_policy(model, vlm_batch)
+    longest = int(batch.lengths.max())
+    whole = _gradients(model, batch, micro_batch_max_tokens=10_000, sequence_packing=packed)
+    tight = _gradients(model, batch, micro_batch_max_tokens=longest - 5, sequence_packing=packed)
+    _assert_same_step(whole, tight)
+    if packed:
+        assert whole.packed_sequences == 1 and tight.packed_sequences > 1
+    metrics = GRPOTrainer(
+        model, GRPOConfig(micro_batch_max_tokens=longest - 5, sequence_packing=packed)
+    ).step(with_ratio_one(model, batch))
+    assert metrics.grad_norm > 0
+
+
+def with_ratio_one(model: Any, batch: TrainBatch) -> TrainBatch:
+    with torch.no_grad():
+        lp = token_logprobs(model, batch)
+    return replace(batch, logprobs=lp * batch.loss_mask)
+
+
+def test_step_metrics_show_packing(tiny: TinyVLM, vlm_batch: TrainBatch) -> None:
+    model = tiny_policy(0)
+    batch = with_ratio_one(model, vlm_batch)
+    padded = GRPOTrainer(tiny_policy(0), GRPOConfig(micro_batch_max_tokens=BUDGET)).step(batch)
+    packed = GRPOTrainer(
+        tiny_policy(0), GRPOConfig(micro_batch_max_tokens=BUDGET, sequence_packing=True)
+    ).step(batch)
+    n_packed = len(batch.micro_batches(BUDGET, packed=True))
+    assert (packed.packed_sequences, packed.padding_fraction) == (n_packed, 0.0)
+    run = sum(len(m) * m.seq_len for m in batch.micro_batches(BUDGET))
+    assert padded.packed_sequences == 0
+    assert (
+        padded.padding_fraction == pytest.approx((run - batch.num_tokens) / run)
+        and padded.padding_fraction > 0
+    )
+    assert {"packed_sequences", "padding_fraction"} <= set(packed.as_dict())
+    assert packed.loss == pytest.approx(padded.loss, abs=1e-6)
+    assert packed.grad_norm == pytest.approx(padded.grad_norm, rel=1e-4)
+
+
+class _FakePolicy(torch.nn.Module):
+    def __init__(self, attn: str, layer_types: list[str] | None = None, rope: Any = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.config = SimpleNamespace(_attn_implementation=attn, layer_types=layer_types)
+        if rope is not None:
+            self.get_rope_index = rope
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> Any:
+        raise AssertionError("never run")
+
+
+def test_packing_refuses_a_model_it_cannot_run_exactly() -> None:
+    check_packable(_FakePolicy("sdpa", ["full_attention"] * 2))  # runs
+    check_packable(_FakePolicy("flash_attention_2"))  # the position-id route
+    with pytest.raises(ConfigError, match="attention implementation 'paged_attention'"):
+        GRPOTrainer(_FakePolicy("paged_attention"), GRPOConfig(sequence_packing=True))
+    with pytest.raises(ConfigError, match="sliding_attention"):
+        check_packable(_FakePolicy("sdpa", ["full_attention", "sliding_attention"]))
+
+    def rope(input_ids: torch.Tensor, depth_map: torch.Tensor) -> Any:
+        raise AssertionError("never run")
+
+    with pytest.raises(ConfigError, match=r"get_rope_index needs \['depth_map'\]"):
+        check_packable(_FakePolicy("sdpa", rope=rope))
+    GRPOTrainer(_FakePolicy("paged_attention"), GRPOConfig())  # packing off: nothing checked
+
+
+@st.composite
+def _masks(draw: Any) -> torch.Tensor:
+    lengths = draw(st.lists(st.integers(0, 7), min_size=1, max_size=5))
+    width = max(max(lengths), 1) + draw(st.integers(0, 2))
+    return torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+
+
+@settings(max_examples=60, deadline=None)
+@given(_masks())
+def test_packed_rows_round_trip_and_mask_against_a_reference(mask: torch.Tensor) -> None:
+    rows = PackedRows.of(mask)
+    values = torch.arange(mask.numel(), dtype=torch.float32).reshape(mask.shape) + 1
+    packed = rows.pack(values)
+    assert packed.shape == (1, int(mask.sum()))
+    expect = [float(values[b, t]) for b in range(mask.shape[0]) for t in range(int(mask[b].sum()))]
+    assert packed[0].tolist() == expect  # rows in order, tokens in order
+    back = rows.unpack(packed)
+    keep = mask.clone()
+    keep[:, 0] = 0  # a row's first token has no logprob
+    assert torch.equal(back, values * keep)
+    owner = [b for b in range(mask.shape[0]) for _ in range(int(mask[b].sum()))]
+    ref = torch.tensor(
+        [[owner[q] == owner[k] and k <= q for k in range(len(owner))] for q in range(len(owner))]
+    )
+    assert torch.equal(rows.causal_mask()[0, 0], ref.reshape(len(owner), len(owner)))
+    additive = rows.causal_mask(additive_dtype=torch.float32)[0, 0]
+    assert torch.equal(additive == 0, ref.reshape(len(owner), len(owner)))
