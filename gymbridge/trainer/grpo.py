@@ -43,6 +43,11 @@ Invariants:
   videos with their timing key, audio features with ``feature_attention_mask``); the text
   ``input_ids`` / ``attention_mask`` are set last and a media key spelled like them is a
   ``TrajectoryError``, so no media mask ever replaces the text attention mask;
+* micro-batches hold at most ``micro_batch_max_tokens`` tokens per forward pass (a longer row
+  runs alone); with ``sequence_packing`` each micro-batch's rows, in batch order, run as one
+  packed sequence with a block-diagonal causal mask and the model's own (M-RoPE) positions per
+  row, and the logprobs are unpacked to ``[B, L]``, so the loss equals the padded step's
+  (:mod:`gymbridge.trainer.packing`);
 * gradients of a batch split into micro-batches (or DP shards, see
   :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
   its loss sum by the token count of the whole batch (``total_loss_tokens``);
