@@ -124,7 +124,9 @@ class PackedRows:
         allowed = torch.tril(same_row)[None, None]
         if additive_dtype is None:
             return allowed
-        blocked = torch.full(allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype)
+        blocked = torch.full(
+            allowed.shape, torch.finfo(additive_dtype).min, dtype=additive_dtype, device=allowed.device
+        )
         return blocked.masked_fill(allowed, 0.0)
 
 
@@ -156,7 +158,7 @@ def _rope_index_sources(kwargs: dict[str, Any]) -> dict[str, Any]:
     seconds = kwargs.get("video_second_per_grid", kwargs.get("second_per_grid_ts"))
     features_mask = kwargs.get("feature_attention_mask")
     types = kwargs.get("mm_token_type_ids")
-    return {
+    sources = {
         "input_ids": ids,
         "attention_mask": kwargs["attention_mask"],
         # no media in the micro-batch: every token is text (what the model's own forward assumes)
@@ -170,13 +172,33 @@ def _rope_index_sources(kwargs: dict[str, Any]) -> dict[str, Any]:
         "audio_feature_lengths": features_mask.sum(dim=1) if features_mask is not None else None,
         "use_audio_in_video": bool(kwargs.get("use_audio_in_video") or False),
     }
+    assert sources.keys() == _ROPE_INDEX_INPUTS
+    return sources
+
+
+_ROPE_INDEX_INPUTS = frozenset(
+    (
+        "input_ids",
+        "attention_mask",
+        "mm_token_type_ids",
+        "image_grid_thw",
+        "video_grid_thw",
+        "second_per_grids",
+        "second_per_grid_ts",
+        "video_second_per_grid",
+        "audio_seqlens",
+        "audio_feature_lengths",
+        "use_audio_in_video",
+    )
+)
+"""The ``get_rope_index`` arguments :func:`_rope_index_sources` supplies."""
 
 
 def _unknown_rope_args(fn: Callable[..., Any]) -> list[str]:
-    known = set(_rope_index_sources({"input_ids": torch.zeros(1, 1), "attention_mask": None}))
+    """Required ``get_rope_index`` arguments the trainer cannot supply."""
     out = []
     for name, p in inspect.signature(fn).parameters.items():
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in known:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in _ROPE_INDEX_INPUTS:
             continue
         if p.default is inspect.Parameter.empty:
             out.append(name)

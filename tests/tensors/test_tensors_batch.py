@@ -6,12 +6,15 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tensor_helpers import image, mixed_batch, png_bytes, traj, turn
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.media import MediaItem
 from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch, group_advantages
 from gymbridge.testing.tiny_vlm import TinyVLM
+from gymbridge.trajectory.types import Trajectory, Turn
 
 G = 4
 
@@ -241,6 +244,37 @@ def test_a_row_longer_than_the_budget_gets_a_micro_batch_of_its_own(batch: Train
     over = [i for i, n in enumerate(lengths) if n > budget]
     assert over and all([i] in rows for i in over)
     assert [b[0] for b in rows] == sorted(b[0] for b in rows)  # micro-batches in order of their first row
+
+
+def _text_batch(lengths: list[int]) -> TrainBatch:
+    trajs = [
+        Trajectory(turns=[Turn(0, 0, "message", 0, [40] * (n - 1), [41], [-1.0])], reward=float(i % 2))
+        for i, n in enumerate(lengths)
+    ]
+    return TrainBatch.from_trajectories(trajs, None, group_size=1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(2, 40), min_size=1, max_size=12),
+    st.integers(1, 80),
+    st.booleans(),
+)
+def test_micro_batches_cover_every_row_once_within_the_budget(
+    lengths: list[int], budget: int, packed: bool
+) -> None:
+    """For any lengths and budget: every row once, batch order inside, micro-batches ordered by their
+    first row, the budget held (padded: rows x longest; packed: real tokens) except by a lone row
+    that is over it on its own."""
+    batch = _text_batch(lengths)
+    mbs = batch.micro_batches(budget, packed=packed)
+    rows = [m.sample_ids.tolist() for m in mbs]
+    assert sorted(r for b in rows for r in b) == list(range(len(lengths)))
+    assert all(b == sorted(b) for b in rows) and [b[0] for b in rows] == sorted(b[0] for b in rows)
+    for m, ids in zip(mbs, rows, strict=True):
+        assert m.lengths.tolist() == [lengths[i] for i in ids]
+        cost = sum(lengths[i] for i in ids) if packed else len(ids) * max(lengths[i] for i in ids)
+        assert cost <= budget or (len(ids) == 1 and lengths[ids[0]] > budget)
 
 
 def test_packed_micro_batches_fill_the_budget_with_real_tokens(batch: TrainBatch) -> None:

@@ -287,3 +287,30 @@ def test_smoke_run_with_sequence_packing_trains_and_reports_it(tmp_path: Path) -
         assert r["packed_sequences"] >= 3 and r["padding_fraction"] == 0.0, r
         assert r["grad_norm"] > 0 and r["num_loss_tokens"] > 0, r
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4), r
+
+
+def test_dp_workers_pack_their_shards_and_sum_to_the_padded_gradient(
+    tiny: TinyVLM, vlm_batch: TrainBatch
+) -> None:
+    """DP workers build their trainer from the driver's GRPOConfig: each packs its own shard, and the
+    shards' gradients still sum to the whole batch's padded gradient (``DPWorker`` in process: the
+    body of the Ray actor, without a cluster)."""
+    import functools
+
+    from gymbridge.trainer import from_config, summarize
+    from gymbridge.trainer.ray_dp import DPWorker
+
+    model = tiny_policy(0)
+    batch = _off_policy(model, vlm_batch)
+    factory = functools.partial(from_config, type(model), model.config)
+    cfg = GRPOConfig(micro_batch_max_tokens=60, sequence_packing=True)
+    workers = [DPWorker(factory, model.state_dict(), cfg) for _ in range(2)]
+    total = int(batch.loss_mask.sum())
+    parts = [w.compute(s, total) for w, s in zip(workers, batch.shard(2), strict=True)]
+    ref = _gradients(model, batch, micro_batch_max_tokens=60)
+    assert sum(p.loss_sum for p in parts) == pytest.approx(ref.loss_sum, abs=1e-6)
+    for i, want in enumerate(ref.grads):
+        torch.testing.assert_close(parts[0].grads[i] + parts[1].grads[i], want, atol=1e-6, rtol=1e-4)
+    metrics = summarize(batch, parts, 0.0, 0.0)
+    assert metrics.packed_sequences == sum(p.packed_sequences for p in parts) >= 2
+    assert metrics.padding_fraction == 0.0
