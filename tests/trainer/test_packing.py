@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from packing_helpers import media_batch
+from trainer_helpers import media_batch, with_current_logprobs
 
 from gymbridge.errors import ConfigError
 from gymbridge.media import MediaItem
@@ -179,15 +179,9 @@ def test_a_row_longer_than_the_budget_trains_in_a_micro_batch_of_its_own(
     assert trainer.apply_gradients(tight.grads) > 0 and trainer.steps == 1  # the step goes through
 
 
-def with_ratio_one(model: Any, batch: TrainBatch) -> TrainBatch:
-    with torch.no_grad():
-        lp = token_logprobs(model, batch)
-    return replace(batch, logprobs=lp * batch.loss_mask)
-
-
 def test_step_metrics_show_packing(tiny: TinyVLM, vlm_batch: TrainBatch) -> None:
     model = tiny_policy(0)
-    batch = with_ratio_one(model, vlm_batch)
+    batch = with_current_logprobs(model, vlm_batch)
     padded = GRPOTrainer(tiny_policy(0), GRPOConfig(micro_batch_max_tokens=BUDGET)).step(batch)
     packed = GRPOTrainer(
         tiny_policy(0), GRPOConfig(micro_batch_max_tokens=BUDGET, sequence_packing=True)
