@@ -208,3 +208,17 @@ def test_a_failing_shard_raises_its_error_and_the_group_survives(
     assert trainer.param_digests() == before
     trainer.step(batch)
     assert len(set(trainer.param_digests())) == 1
+
+
+def test_ray_address_joins_an_existing_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init_ray(address=...)`` (``ray_address`` in the launcher config) joins, never starts a local Ray."""
+    ray = pytest.importorskip("ray")
+    from gymbridge.trainer import init_ray
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    init_ray(4, address="ray://head.example:10001")
+    init_ray(3)
+    assert calls[0]["address"] == "ray://head.example:10001" and "num_cpus" not in calls[0]
+    assert calls[1]["num_cpus"] == 3 and "address" not in calls[1]
