@@ -314,6 +314,8 @@ class RayDPTrainer:
         """Sequence tokens of each worker's shard in the latest step."""
         self.last_media_dtypes: dict[str, str] = {}
         """The dtype of each media key as the latest step's shards crossed to the workers."""
+        self.last_weights_s = 0.0
+        """Seconds of the latest step from "apply" until the driver held rank 0's new weights."""
         self.sync_workers()
         logger.info("started %d Ray DP worker(s), %s group at %s:%d", num_workers, self.backend, host, port)
 
@@ -362,11 +364,13 @@ class RayDPTrainer:
             except PolicyDriftError:
                 self.ray.get([w.discard.remote() for w in self.workers])
                 raise
+        applied = time.perf_counter()
         outs = self.ray.get([w.apply.remote(rank == 0) for rank, w in enumerate(self.workers)])
         norm, weights = outs[0]
         assert weights is not None
         with torch.no_grad():
             self.trainer.model.load_state_dict(weights)
+        self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
         return summarize(batch, parts, norm, time.perf_counter() - started)
 

@@ -355,6 +355,7 @@ def _dp_keys(dp: Any) -> dict[str, Any]:
         "dp_world_size": dp.num_workers,
         "dp_shard_tokens": list(dp.last_shard_tokens),
         "dp_media_dtypes": dict(dp.last_media_dtypes),
+        "dp_weights_s": dp.last_weights_s,
     }
 
 

@@ -222,3 +222,28 @@ def test_ray_address_joins_an_existing_cluster(monkeypatch: pytest.MonkeyPatch) 
     init_ray(3)
     assert calls[0]["address"] == "ray://head.example:10001" and "num_cpus" not in calls[0]
     assert calls[1]["num_cpus"] == 3 and "address" not in calls[1]
+
+
+def test_a_checkpointed_dp_state_resumes_bit_identically(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """What the launcher checkpoints (the driver's weights + rank 0's optimizer state) resumes exactly."""
+    import copy
+
+    trainers, _meter, _ = cluster
+    dp = reset(trainers[2])
+    dp.step(batch)
+    assert not dp.trainer.optimizer.state  # the driver never steps: its AdamW is blank until pulled
+    dp.pull_optimizer_state()
+    saved = copy.deepcopy((dp.trainer.model.state_dict(), dp.trainer.optimizer.state_dict()))
+    went_on = dp.step(batch)
+    after = dp.param_digests()
+    resumed = fresh()  # a new process: fresh model, then the checkpoint's state
+    resumed.model.load_state_dict(saved[0])
+    resumed.optimizer.load_state_dict(saved[1])
+    resumed.steps = 1
+    dp.trainer = resumed
+    dp.sync_workers()
+    again = dp.step(batch)
+    assert (again.loss, again.grad_norm) == (went_on.loss, went_on.grad_norm)
+    assert dp.param_digests() == after and dp.trainer.steps == 2

@@ -44,7 +44,7 @@ def test_smoke_dp_trains_through_the_group_with_bf16_media(tmp_path: Path) -> No
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
-        assert r["dp_backend"] == "gloo" and r["dp_world_size"] == 2
+        assert r["dp_backend"] == "gloo" and r["dp_world_size"] == 2 and r["dp_weights_s"] > 0
         assert len(r["dp_shard_tokens"]) == 2 and sum(r["dp_shard_tokens"]) == r["num_tokens"]
         assert r["dp_media_dtypes"] == {"image_grid_thw": "int64", "pixel_values": "bfloat16"}
         sent, built = r["payload"]["policy_shard"], r["payload"]["rollout_to_policy"]
