@@ -12,8 +12,9 @@ On local defaults (``configs/smoke.yaml``) it
    child process instead (:mod:`gymbridge.trainer.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
-   :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
-   ``dp_workers > 0``) updates the policy and publishes it to the generator, which holds a
+   :class:`~gymbridge.trainer.GRPOTrainer` (or, with ``dp_workers > 0``, the
+   :class:`~gymbridge.trainer.RayDPTrainer`'s Ray actors in one torch.distributed group, whose
+   rank 0 hands back the new weights) updates the policy and publishes it to the generator, which holds a
    model of its own, as the next policy version (a copy in process, a torch.distributed
    broadcast to a child process); the drift guard fails the run if the next step's ratio
    says the generator did not get it;
