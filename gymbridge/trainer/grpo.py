@@ -79,7 +79,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -132,6 +132,16 @@ class GRPOConfig(StrictModel):
     is_cap: float | None = None
     """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The policy's dtype for training (the launcher builds the trainer's and the in-process
+    generator's models in it); floating media bound for the policy are cast to it before they
+    cross to DP workers (:meth:`~gymbridge.tensors.TrainBatch.cast_media`)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
     @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:

@@ -283,24 +283,26 @@ def test_smoke_run_with_sequence_packing_trains_and_reports_it(tmp_path: Path) -
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4), r
 
 
-def test_dp_workers_pack_their_shards_and_sum_to_the_padded_gradient(
+def test_dp_shards_packed_by_their_own_trainers_sum_to_the_padded_gradient(
     tiny: TinyVLM, vlm_batch: TrainBatch
 ) -> None:
-    """DP workers build their trainer from the driver's GRPOConfig: each packs its own shard, and the
-    shards' gradients still sum to the whole batch's padded gradient (``DPWorker`` in process: the
-    body of the Ray actor, without a cluster)."""
+    """A DP worker builds its ``GRPOTrainer`` from the driver's GRPOConfig (``ray_dp.DPWorker``), so
+    each packs its own shard; the shards' gradients still sum to the whole batch's padded gradient,
+    and the step metrics add up the shards' packing."""
     import functools
 
     from gymbridge.trainer import from_config, summarize
-    from gymbridge.trainer.ray_dp import DPWorker
 
     model = tiny_policy(0)
     batch = _off_policy(model, vlm_batch)
     factory = functools.partial(from_config, type(model), model.config)
     cfg = GRPOConfig(micro_batch_max_tokens=60, sequence_packing=True)
-    workers = [DPWorker(factory, model.state_dict(), cfg) for _ in range(2)]
     total = int(batch.loss_mask.sum())
-    parts = [w.compute(s, total) for w, s in zip(workers, batch.shard(2), strict=True)]
+    parts = []
+    for shard in batch.shard(2):
+        worker_model = factory()
+        worker_model.load_state_dict(model.state_dict())
+        parts.append(GRPOTrainer(worker_model, cfg).compute_gradients(shard, total_loss_tokens=total))
     ref = _gradients(model, batch, micro_batch_max_tokens=60)
     assert sum(p.loss_sum for p in parts) == pytest.approx(ref.loss_sum, abs=1e-6)
     for i, want in enumerate(ref.grads):
