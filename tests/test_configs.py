@@ -8,7 +8,7 @@ import pytest
 
 from gymbridge.config import load_config
 from gymbridge.errors import ConfigError
-from gymbridge.trainer.smoke import SmokeConfig
+from gymbridge.launch.smoke import SmokeConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -39,7 +39,7 @@ def test_a_typo_is_an_error(tmp_path: Path) -> None:
 
 def test_the_config_classes_defaults_are_the_shipped_default_config() -> None:
     """One source of defaults: ``SmokeConfig()`` is what ``configs/smoke.yaml`` says."""
-    from gymbridge.trainer.smoke import DEFAULT_CONFIG
+    from gymbridge.launch.smoke import DEFAULT_CONFIG
 
     shipped = load_config(DEFAULT_CONFIG, SmokeConfig)
     assert SmokeConfig().model_dump() == shipped.model_dump()

@@ -10,7 +10,7 @@ every optimizer step:
   generation), served by an in-process model server on the Gym path; weights are copied in
   by :class:`~gymbridge.trainer.weight_sync.InProcessPublisher`;
 * ``placement: process`` — ``gymbridge model serve --tiny --enable-weight-updates`` as a
-  child process (:mod:`gymbridge.trainer.generator_process`), weights broadcast by
+  child process (:mod:`gymbridge.launch.generator_process`), weights broadcast by
   :class:`~gymbridge.trainer.weight_sync.DistributedPublisher`. The Gym path only: native
   rollouts call a generator object in this process.
 
@@ -150,7 +150,7 @@ async def _start_process(
     log_dir: Path,
     serve_flag: str,
 ) -> GeneratorHandle:
-    from gymbridge.trainer.generator_process import start_model_server_process, tiny_server_command
+    from gymbridge.launch.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
 
     if not serve:

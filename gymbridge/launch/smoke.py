@@ -9,7 +9,7 @@ On local defaults (``configs/smoke.yaml``) it
    gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
    ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`.
    With ``generator.placement: process`` the model server is ``gymbridge model serve`` in a
-   child process instead (:mod:`gymbridge.trainer.placement`);
+   child process instead (:mod:`gymbridge.launch.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
    :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
@@ -38,8 +38,8 @@ occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with t
 on the Gym path (the rollout order within a group follows HTTP arrival).
 
 **Run directory, async GRPO, resume.** Every run writes ``config.yaml``, ``dataset.jsonl``,
-``metrics.jsonl`` (one record per step, :func:`~gymbridge.trainer.rundir.step_record`),
-``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.trainer.rundir`,
+``metrics.jsonl`` (one record per step, :func:`~gymbridge.launch.rundir.step_record`),
+``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.launch.rundir`,
 printed first, never deleted). ``rollout.max_staleness: k > 0`` lets the rollouts of the next
 ``k`` batches run while the trainer trains; the generator then samples from its own copy of
 the policy, which receives the trainer's weights after every optimizer step (policy version
@@ -77,14 +77,14 @@ from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.cli import load_example_environments
 from gymbridge.config import StrictModel, load_config, parse_key_value
 from gymbridge.errors import ConfigError
+from gymbridge.launch.placement import GeneratorConfig
+from gymbridge.launch.reporters import ReportTo
+from gymbridge.launch.warmup import WarmupConfig
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
-from gymbridge.trainer.placement import GeneratorConfig
-from gymbridge.trainer.reporters import ReportTo
-from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
-    from gymbridge.trainer.rundir import RunDir
+    from gymbridge.launch.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class SmokeConfig(StrictModel):
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
     warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
-    """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
+    """Format warm-up before GRPO (:mod:`gymbridge.launch.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
@@ -347,17 +347,17 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         ReplayBuffer,
         TokenRateShaping,
     )
+    from gymbridge.launch.artifacts import RunArtifacts
+    from gymbridge.launch.placement import start_generator
+    from gymbridge.launch.reporters import open_reporters
+    from gymbridge.launch.rundir import payload_delta, step_record
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
-    from gymbridge.trainer.artifacts import RunArtifacts
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config
-    from gymbridge.trainer.placement import start_generator
-    from gymbridge.trainer.reporters import open_reporters
-    from gymbridge.trainer.rundir import payload_delta, step_record
 
     started = time.perf_counter()
     result = SmokeResult(run_dir=str(run.path))
@@ -405,7 +405,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         )
     if not resume:  # a resumed run's checkpoint holds the warmed-up weights
         from gymbridge.generation.hf import HFGenerator
-        from gymbridge.trainer.warmup import warmup_for_env
+        from gymbridge.launch.warmup import warmup_for_env
 
         # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
         renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
@@ -624,7 +624,7 @@ def run_smoke(
     The run directory (``cfg.run_dir``, default ``runs/<env>-<UTC timestamp>``) is printed first
     and kept. ``resume=True`` continues the run in ``cfg.run_dir`` from its latest checkpoint.
     """
-    from gymbridge.trainer.rundir import RunDir, default_run_dir
+    from gymbridge.launch.rundir import RunDir, default_run_dir
 
     out = out if out is not None else sys.stdout
     path = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir(cfg.env)
@@ -648,7 +648,7 @@ def run_smoke(
 
 def resume_config(run_dir: str | Path) -> SmokeConfig:
     """The config of the run in ``run_dir`` (its ``config.yaml``), pointed at ``run_dir``."""
-    from gymbridge.trainer.rundir import RunDir
+    from gymbridge.launch.rundir import RunDir
 
     data = RunDir(Path(run_dir)).read_config()
     data["run_dir"] = str(run_dir)
@@ -777,7 +777,7 @@ def add_smoke_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gymbridge.trainer.smoke [options]`` (same options as ``gymbridge smoke``)."""
+    """``python -m gymbridge.launch.smoke [options]`` (same options as ``gymbridge smoke``)."""
     from gymbridge.cli import run_command
 
     parser = argparse.ArgumentParser(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.trainer.smoke import build_config, run_smoke
+from gymbridge.launch.smoke import build_config, run_smoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

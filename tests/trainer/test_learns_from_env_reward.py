@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.trainer.smoke import build_config, run_smoke
+from gymbridge.launch.smoke import build_config, run_smoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(900)]
 

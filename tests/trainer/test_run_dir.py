@@ -10,8 +10,8 @@ import orjson
 import pytest
 import yaml
 
-from gymbridge.trainer import smoke
-from gymbridge.trainer.smoke import SmokeConfig
+from gymbridge.launch import smoke
+from gymbridge.launch.smoke import SmokeConfig
 
 pytestmark = pytest.mark.integration
 
@@ -139,8 +139,8 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, monkeypatch: p
     invariants hold there, see test_resume_kill.py)."""
     import io
 
+    from gymbridge.launch.smoke import build_config, resume_config, run_smoke
     from gymbridge.trainer import grpo
-    from gymbridge.trainer.smoke import build_config, resume_config, run_smoke
 
     flags = {"native": True, "steps": 4, "group_size": 4, "prompts_per_step": 1}
     sets = [("max_tokens", 12), ("max_turns", 1), ("payload_metrics", False), ("checkpoint_every", 1)]

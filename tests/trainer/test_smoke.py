@@ -11,8 +11,8 @@ import pytest
 
 from gymbridge.cli import load_example_environments
 from gymbridge.errors import ConfigError
-from gymbridge.trainer import smoke
-from gymbridge.trainer.smoke import SmokeConfig, build_config, run_smoke
+from gymbridge.launch import smoke
+from gymbridge.launch.smoke import SmokeConfig, build_config, run_smoke
 
 pytestmark = pytest.mark.integration
 
