@@ -78,6 +78,10 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
 """Group name -> (help line, ``"module:function"`` adding its subcommands)."""
 
 SINGLE_COMMANDS: dict[str, tuple[str, str]] = {
+    "train": (
+        "train on your setup: --env NAME|module:Class or --agent-url URL, --dataset rows, --model tiny|PATH",
+        "gymbridge.launch.train:add_train_arguments",
+    ),
     "collect": (
         "roll a dataset out through any NeMo Gym agent (ng_collect_rollouts): results + failures",
         "gymbridge.launch.collect:add_collect_arguments",

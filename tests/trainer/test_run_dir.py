@@ -51,7 +51,7 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
     assert out.splitlines()[0] == f"run dir: {run_dir}"  # printed first
     saved = SmokeConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert saved.steps == 3 and saved.native and saved.checkpoint_every == 2 and saved.run_dir == str(run_dir)
-    assert saved.warmup.steps == 40  # the resolved config: configs/smoke.yaml's values included
+    assert saved.warmup.steps == 40  # the resolved config: gymbridge/configs/smoke.yaml's values included
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
