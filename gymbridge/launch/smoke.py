@@ -271,7 +271,8 @@ def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
             m.name, m.processor, m.tokenizer, m.policy, m.placeholder_token_ids, m.policy_factory, serve
         )
     if choice in ("auto", "tiny"):
-        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & set(spec.modalities) else "tiny-qwen2-vl"
+        modalities = set(spec.modalities) if spec is not None else set()  # None: an agent's env (images)
+        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & modalities else "tiny-qwen2-vl"
     if choice == "tiny-qwen2.5-omni":
         from gymbridge.testing.tiny_omni import build_tiny_omni
 
