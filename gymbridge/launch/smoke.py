@@ -65,7 +65,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -86,6 +86,7 @@ from gymbridge.config import (
 from gymbridge.errors import ConfigError
 from gymbridge.launch.placement import GeneratorConfig
 from gymbridge.launch.reporters import ReportTo
+from gymbridge.launch.userenv import LauncherModel
 from gymbridge.launch.warmup import WarmupConfig
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
@@ -243,33 +244,14 @@ class SmokeResult:
     """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
 
 
-@dataclass(frozen=True)
-class _TinyModel:
-    """The launcher's model choice: processor and tokenizer, the trainable policy, and its ids."""
-
-    name: str
-    processor: Any
-    tokenizer: Any
-    policy: Any
-    placeholder_token_ids: tuple[int, ...]
-    policy_factory: Callable[[int], Any]
-    """Builds this model's policy from a seed (the in-process generator's own copy)."""
-    serve_flag: str | tuple[str, ...]
-    """The ``gymbridge model serve`` flag(s) that serve this model (``placement: process``)."""
-
-
-def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
+def _pick_model(cfg: SmokeConfig, spec: Any) -> LauncherModel:
     """The model for ``cfg.model`` (``auto``: the tiny one by the env's modalities, see ``SmokeConfig``)."""
     from gymbridge.launch.userenv import TINY_MODELS, load_pretrained
     from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
 
     choice = cfg.model
     if choice not in TINY_MODELS:  # a local model directory
-        m = load_pretrained(choice)
-        serve = ("--model", choice, "--backend", cfg.backend)
-        return _TinyModel(
-            m.name, m.processor, m.tokenizer, m.policy, m.placeholder_token_ids, m.policy_factory, serve
-        )
+        return load_pretrained(choice, cfg.backend)
     if choice in ("auto", "tiny"):
         modalities = set(spec.modalities) if spec is not None else set()  # None: an agent's env (images)
         choice = "tiny-qwen2.5-omni" if {"video", "audio"} & modalities else "tiny-qwen2-vl"
@@ -277,7 +259,7 @@ def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
         from gymbridge.testing.tiny_omni import build_tiny_omni
 
         omni = build_tiny_omni(cfg.model_seed)
-        return _TinyModel(
+        return LauncherModel(
             f"gymbridge-tiny-qwen2.5-omni-seed{cfg.model_seed}",
             omni.processor,
             omni.tokenizer,
@@ -289,7 +271,7 @@ def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(cfg.model_seed)
-    return _TinyModel(
+    return LauncherModel(
         f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
         vlm.processor,
         vlm.tokenizer,

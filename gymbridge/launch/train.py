@@ -27,24 +27,7 @@ from pathlib import Path
 
 from gymbridge.errors import ConfigError
 
-__all__ = ["TRAIN_FLAGS", "add_train_arguments"]
-
-TRAIN_FLAGS = (
-    "native",
-    "env",
-    "steps",
-    "prompts_per_step",
-    "group_size",
-    "seed",
-    "dp_workers",
-    "run_dir",
-    "agent_url",
-    "dataset",
-    "model",
-    "backend",
-    "model_port",
-)
-"""The ``SmokeConfig`` keys ``gymbridge train`` has a flag for (applied after ``--config`` and ``--set``)."""
+__all__ = ["add_train_arguments"]
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +57,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from gymbridge.launch.smoke import build_config, resume_config, run_smoke
+    from gymbridge.launch.smoke import SmokeConfig, build_config, resume_config, run_smoke
 
-    flags = {k: getattr(args, k) for k in TRAIN_FLAGS}
+    # every flag named after a config key (--steps, --agent-url, ...); applied after --config and --set
+    flags = {k: v for k, v in vars(args).items() if k in SmokeConfig.model_fields}
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.resume is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]

@@ -36,7 +36,7 @@ from gymbridge.errors import ConfigError
 
 __all__ = [
     "TINY_MODELS",
-    "PretrainedModel",
+    "LauncherModel",
     "UserEnv",
     "is_class_ref",
     "load_pretrained",
@@ -157,8 +157,8 @@ def read_dataset(path: str | Path) -> list[bytes]:
 
 
 @dataclass(frozen=True)
-class PretrainedModel:
-    """A local model directory, loaded for the launcher (the trainer's policy + how to build more copies)."""
+class LauncherModel:
+    """The launcher's model choice: processor and tokenizer, the trainable policy, and its ids."""
 
     name: str
     processor: Any
@@ -166,6 +166,9 @@ class PretrainedModel:
     policy: Any
     placeholder_token_ids: tuple[int, ...]
     policy_factory: Callable[[int], Any]
+    """Builds this model's policy from a seed (the in-process generator's own copy)."""
+    serve_flag: str | tuple[str, ...]
+    """The ``gymbridge model serve`` flag(s) that serve this model (``placement: process``)."""
 
 
 _PLACEHOLDER_ATTRS = (
@@ -178,7 +181,7 @@ _PLACEHOLDER_ATTRS = (
 )
 
 
-def load_pretrained(path: str) -> PretrainedModel:
+def load_pretrained(path: str, backend: str = "hf") -> LauncherModel:
     """Load the model directory ``path`` (see the module docstring); a bad path is a :class:`ConfigError`."""
     from gymbridge.generation.cli import check_model_dir
     from gymbridge.generation.hf import HFGenerator
@@ -192,9 +195,9 @@ def load_pretrained(path: str) -> PretrainedModel:
         return HFGenerator.from_pretrained(path).model
 
     tokenizer = getattr(loaded.processor, "tokenizer", loaded.processor)
-    return PretrainedModel(
-        str(path), loaded.processor, tokenizer, loaded.model.train(), tuple(sorted(ids)), build
-    )
+    serve = ("--model", str(path), "--backend", backend)
+    policy = loaded.model.train()
+    return LauncherModel(str(path), loaded.processor, tokenizer, policy, tuple(sorted(ids)), build, serve)
 
 
 def require_vllm() -> None:
