@@ -244,6 +244,9 @@ class SmokeResult:
     """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
 
 
+_TINY_NAMES = ("tiny-qwen2-vl", "tiny-qwen2.5-omni")
+
+
 def _pick_model(cfg: SmokeConfig, spec: Any) -> LauncherModel:
     """The model for ``cfg.model`` (``auto``: the tiny one by the env's modalities, see ``SmokeConfig``)."""
     from gymbridge.launch.userenv import TINY_MODELS, load_pretrained
@@ -414,7 +417,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
 
     tiny = _pick_model(cfg, spec)
     policy = tiny.policy  # the trainer's; the generator holds a model of its own
-    print(f"model: {tiny.name} (random weights, offline)", file=out)
+    origin = "random weights, offline" if cfg.model in ("auto", "tiny", *_TINY_NAMES) else "local directory"
+    print(f"model: {tiny.name} ({origin})", file=out)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:

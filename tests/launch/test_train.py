@@ -181,3 +181,25 @@ def test_backend_vllm_without_vllm_names_the_extra(tmp_path: Path, monkeypatch: 
 def test_a_model_that_is_neither_tiny_nor_a_directory_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model: .*neither"):
         build_config(None, [f"model={tmp_path / 'nope'}"], {})
+
+
+def test_model_path_trains_like_the_same_weights_in_memory(tmp_path: Path) -> None:
+    """``--model PATH``: the tiny VLM saved to a directory trains step for step like ``--model tiny``."""
+    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+
+    tiny = build_tiny_vlm(0)
+    model_dir = tmp_path / "model"
+    tiny.model.save_pretrained(model_dir)
+    tiny.tokenizer.save_pretrained(model_dir)
+    tiny.processor.image_processor.save_pretrained(model_dir)
+    records = []
+    for name, model in (("tiny", "tiny"), ("path", str(model_dir))):
+        flags = {"model": model, "native": True, "steps": 1, "prompts_per_step": 1, "group_size": 2}
+        flags["run_dir"] = str(tmp_path / name)
+        out = io.StringIO()
+        result = run_smoke(build_config(None, ["warmup.steps=0"], flags), out=out)
+        records.append(result.records[0])
+        if name == "path":
+            assert f"model: {model_dir} (local directory)" in out.getvalue()
+    for key in ("env_reward_mean", "loss", "num_tokens", "grad_norm"):
+        assert records[1][key] == pytest.approx(records[0][key], rel=1e-5, abs=1e-7), key
