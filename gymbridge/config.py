@@ -50,9 +50,15 @@ class StrictModel(BaseModel):
     model_config = {"extra": "forbid", "validate_assignment": True}
 
 
+ENV_HINT = " (an environment variable is written ${oc.env:NAME} or ${oc.env:NAME,default})"
+
+
 def _omegaconf_message(exc: OmegaConfBaseException) -> str:
     # OmegaConf appends "full_key: ..., object_type=..." lines; the first line is the reason
-    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith(("Unsupported interpolation type", "Interpolation key")):
+        text += ENV_HINT  # most likely the ${VAR} / ${VAR:-default} shell syntax
+    return text
 
 
 def read_config(source: str | Path | Mapping[str, Any]) -> DictConfig:

@@ -132,3 +132,12 @@ def test_parse_override_refuses_malformed() -> None:
     assert parse_override("a.b=1") == "a.b=1"
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         parse_override("novalue")
+
+
+def test_shell_style_env_references_name_the_key_and_the_omegaconf_syntax() -> None:
+    """``${VAR}`` / ``${VAR:-default}`` (the syntax before OmegaConf) fail with the key and the fix."""
+    with pytest.raises(ConfigError) as ei:
+        load_config({"name": "${GB_HOST:-localhost}", "group_size": 1, "inner": {"port": "${GB_PORT}"}}, Cfg)
+    problems = ei.value.problems
+    assert [p.split(":")[0] for p in problems] == ["name", "inner.port"]
+    assert all("${oc.env:NAME,default}" in p for p in problems)
