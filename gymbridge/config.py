@@ -39,6 +39,7 @@ __all__ = [
     "parse_override",
     "read_config",
     "validate_config",
+    "validate_plain",
 ]
 
 M = TypeVar("M", bound=BaseModel)
@@ -189,6 +190,15 @@ def validate_config(conf: DictConfig, model: type[M], *, where: str | None = Non
         data = OmegaConf.to_container(conf, resolve=True)
     except OmegaConfBaseException:
         data = _resolve_all(conf, "", problems)  # the slow path, to name every failing key
+    return validate_plain(data, model, where=where, problems=problems)
+
+
+def validate_plain(data: Any, model: type[M], *, where: str | None = None, problems: Sequence[str] = ()) -> M:
+    """Validate already-resolved ``data`` with ``model`` (no interpolation: a saved, resolved config).
+
+    Raises :class:`ConfigError` listing ``problems`` plus every pydantic error.
+    """
+    problems = list(problems)
     failed = {p.partition(":")[0] for p in problems}
     try:
         cfg = model.model_validate(data)

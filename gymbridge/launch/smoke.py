@@ -77,11 +77,11 @@ from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.cli import load_example_environments
 from gymbridge.config import (
     StrictModel,
-    load_config,
     merge_overrides,
     parse_override,
     read_config,
     validate_config,
+    validate_plain,
 )
 from gymbridge.errors import ConfigError
 from gymbridge.launch.placement import GeneratorConfig
@@ -731,9 +731,11 @@ def resume_config(run_dir: str | Path) -> SmokeConfig:
     """The config of the run in ``run_dir`` (its ``config.yaml``), pointed at ``run_dir``."""
     from gymbridge.launch.rundir import RunDir
 
-    data = RunDir(Path(run_dir)).read_config()
+    run = RunDir(Path(run_dir))
+    data = run.read_config()
     data["run_dir"] = str(run_dir)
-    return load_config(data, SmokeConfig)
+    # saved resolved: a literal "${" in it is text, never interpolated again
+    return validate_plain(data, SmokeConfig, where=str(run.config_path))
 
 
 # ------------------------------------------------------------------------ CLI

@@ -203,3 +203,14 @@ def test_model_path_trains_like_the_same_weights_in_memory(tmp_path: Path) -> No
             assert f"model: {model_dir} (local directory)" in out.getvalue()
     for key in ("env_reward_mean", "loss", "num_tokens", "grad_norm"):
         assert records[1][key] == pytest.approx(records[0][key], rel=1e-5, abs=1e-7), key
+
+
+def test_regression_resume_does_not_interpolate_the_saved_config_again(tmp_path: Path) -> None:
+    """A resolved config holding a literal ``${`` (``\\${`` on the command line) resumes as saved."""
+    from gymbridge.launch.rundir import RunDir
+    from gymbridge.launch.smoke import resume_config
+
+    cfg = build_config(None, [r"env_params.note=\${not_a_key}"], {})
+    assert cfg.env_params["note"] == "${not_a_key}"
+    RunDir.create(tmp_path).write_config(cfg.model_dump(mode="json"))
+    assert resume_config(tmp_path).env_params["note"] == "${not_a_key}"
