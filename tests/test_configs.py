@@ -56,6 +56,9 @@ def test_a_shipped_config_by_name() -> None:
         == load_config(CONFIGS_DIR / "smoke_ray.yaml", SmokeConfig)
     )
     assert by_name.dp_workers > 0
+    assert build_config("configs/smoke_ray.yaml", [], {}) == by_name  # the path before they moved
+    with pytest.raises(ConfigError, match="cannot read"):
+        build_config("configs/no_such_config.yaml", [], {})
 
 
 def test_set_overrides_merge_through_omegaconf() -> None:

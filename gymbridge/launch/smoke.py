@@ -756,7 +756,8 @@ def config_path(name: str | Path) -> Path:
     if path.is_file():
         return path
     shipped = CONFIGS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
-    if path.parent == Path(".") and shipped.is_file():
+    # a bare name, or the old checkout path configs/NAME.yaml (the configs moved into the package)
+    if path.parent in (Path("."), Path("configs")) and shipped.is_file():
         return shipped
     return path  # read_config names the file it cannot read
 
