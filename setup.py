@@ -14,5 +14,8 @@ envs = [ENVS_PACKAGE + name[len(ENVS_FOLDER) :] for name in find_packages(includ
 setup(
     packages=find_packages(include=["gymbridge*"]) + envs,
     package_dir={ENVS_PACKAGE: ENVS_FOLDER},
-    package_data={"gymbridge": ["py.typed", "trainer/viewer.html"], ENVS_PACKAGE: ["*/tests/*.json"]},
+    package_data={
+        "gymbridge": ["py.typed", "launch/viewer.html", "configs/*.yaml"],
+        ENVS_PACKAGE: ["*/tests/*.json"],
+    },
 )

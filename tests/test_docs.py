@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SOURCES = ["gymbridge", "environments", "tests", "docs", "benchmarks", "examples", "scripts", "configs"]
+SOURCES = ["gymbridge", "environments", "tests", "docs", "benchmarks", "examples", "scripts"]
 OUTSIDE = re.compile(r"DESIGN(\.md)? ?§|DESIGN\.md|/work/|/tmp/nemo_gym_src")
 DOC_LINK = re.compile(r"\]\(([^)#:]+\.md)\)")
 

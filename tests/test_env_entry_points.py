@@ -76,7 +76,7 @@ def test_a_broken_entry_point_is_a_config_error_naming_it(echo_env: str) -> None
 
 @pytest.mark.integration
 def test_smoke_trains_a_registered_env(echo_env: str, tmp_path: Path) -> None:
-    from gymbridge.trainer.smoke import build_config, run_smoke
+    from gymbridge.launch.smoke import build_config, run_smoke
 
     cfg = build_config(
         None, [("steps", 1), ("group_size", 4)], {"env": echo_env, "run_dir": str(tmp_path / "r")}

@@ -6,7 +6,8 @@
   import time (seconds).
 * ``test_torch_free_venv_serves_checks_and_drives_an_environment``: a fresh venv gets
   ``pip install <checkout>`` (the base install, not editable, so the wheel's package list is
-  what is tested) and, in it, ``drive_env.py`` serves ``counter`` through the CLI, passes
+  what is tested) and, in it, the shipped configs and viewer template are package data,
+  ``drive_env.py`` serves ``counter`` through the CLI, passes
   ``check_env`` and solves three rows through the agent and a scripted model; torch is absent
   from the venv (about 40 s with a warm pip cache).
 * ``test_regression_environments_package_collides_with_nemo_gym``: one venv holding nemo-gym
@@ -54,6 +55,16 @@ from gymbridge.server import check_env, SimpleAgent, ResourcesServer  # noqa: F4
 print(len(modules))
 """
 
+SHIPPED_DATA = """
+import json, pathlib, gymbridge
+from gymbridge.config import read_config
+root = pathlib.Path(gymbridge.__file__).parent
+assert "site-packages" in str(root), root  # the installed copy, not the checkout
+print(json.dumps({"configs": sorted(p.name for p in (root / "configs").glob("*.yaml")),
+                  "default_env": read_config(root / "configs" / "smoke.yaml")["env"],
+                  "viewer": (root / "launch" / "viewer.html").is_file()}))
+"""
+
 
 def _run(argv: list[str], *, cwd: Path, timeout: float = 300, check: bool = True) -> str:
     proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout)
@@ -92,6 +103,13 @@ def test_torch_free_venv_serves_checks_and_drives_an_environment(tmp_path: Path,
         [str(python), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"], cwd=tmp_path
     )
     assert probe.strip() == "True", "the base install pulled torch in"
+    # the configs and the viewer template ship inside the installed package (package data)
+    shipped = _run([str(python), "-c", SHIPPED_DATA], cwd=tmp_path).splitlines()[-1]
+    assert json.loads(shipped) == {
+        "configs": sorted(p.name for p in (REPO / "gymbridge" / "configs").glob("*.yaml")),
+        "default_env": "color_pick",
+        "viewer": True,
+    }
     # the CLI's torch-free commands work too
     listing = _run([str(python.with_name("gymbridge")), "env", "list", "--params"], cwd=tmp_path)
     assert "counter" in listing

@@ -1,6 +1,6 @@
 """Every shipped config and every image / text example environment trains: nonzero gradients, no failures.
 
-Regression: ``configs/smoke_ray.yaml`` and ``configs/smoke_zoom_read.yaml`` printed ``grad_norm
+Regression: ``smoke_ray.yaml`` and ``smoke_zoom_read.yaml`` (gymbridge/configs/) printed ``grad_norm
 0.0000`` at every step, and ``--env counter`` (and the others) died on circle_click's
 ``img_size`` parameter. Each run is cut to 2 steps. ``beep_count`` / ``bouncing_ball`` need a
 model that takes audio / video (the tiny Qwen2-VL takes images only), so they are not here.
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.trainer.smoke import build_config, run_smoke
+from gymbridge.launch.smoke import CONFIGS_DIR, build_config, run_smoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.yaml"))
+CONFIGS = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
 def _trains(result: object) -> None:

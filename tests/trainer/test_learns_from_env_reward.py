@@ -1,6 +1,6 @@
 """The default smoke learns from the environment's reward alone; with the images blanked it cannot.
 
-``gymbridge smoke run`` as shipped (configs/smoke.yaml: color_pick, format warm-up on
+``gymbridge smoke run`` as shipped (gymbridge/configs/smoke.yaml: color_pick, format warm-up on
 image-independent targets, GRPO, no shaping) must take the env reward from chance to >= 0.9.
 The control runs the same config with every image painted grey (the answer is still the
 row's colour): the reward must stay at chance, so the rise above is the image reaching the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.trainer.smoke import build_config, run_smoke
+from gymbridge.launch.smoke import build_config, run_smoke
 
 pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(900)]
 

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from gymbridge.errors import ConfigError
-from gymbridge.trainer.reporters import flat_scalars, open_reporters
-from gymbridge.trainer.smoke import SmokeConfig, run_smoke
+from gymbridge.launch.reporters import flat_scalars, open_reporters
+from gymbridge.launch.smoke import SmokeConfig, run_smoke
 
 SMALL = {
     "env": "color_pick",

@@ -42,7 +42,7 @@ BASE = [
 
 def smoke(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-u", "-m", "gymbridge.trainer.smoke", *args],
+        [sys.executable, "-u", "-m", "gymbridge.launch.smoke", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

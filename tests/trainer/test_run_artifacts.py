@@ -12,8 +12,8 @@ import orjson
 import pytest
 from PIL import Image
 
-from gymbridge.trainer.artifacts import CHARTS
-from gymbridge.trainer.smoke import SmokeConfig, run_smoke
+from gymbridge.launch.artifacts import CHARTS
+from gymbridge.launch.smoke import SmokeConfig, run_smoke
 
 pytestmark = pytest.mark.integration
 

@@ -10,8 +10,8 @@ import orjson
 import pytest
 import yaml
 
-from gymbridge.trainer import smoke
-from gymbridge.trainer.smoke import SmokeConfig
+from gymbridge.launch import smoke
+from gymbridge.launch.smoke import SmokeConfig
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
     assert out.splitlines()[0] == f"run dir: {run_dir}"  # printed first
     saved = SmokeConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert saved.steps == 3 and saved.native and saved.checkpoint_every == 2 and saved.run_dir == str(run_dir)
-    assert saved.warmup.steps == 40  # the resolved config: configs/smoke.yaml's values included
+    assert saved.warmup.steps == 40  # the resolved config: gymbridge/configs/smoke.yaml's values included
     recs = records(run_dir)
     assert [r["step"] for r in recs] == [1, 2, 3]
     for r in recs:
@@ -139,8 +139,8 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, monkeypatch: p
     invariants hold there, see test_resume_kill.py)."""
     import io
 
+    from gymbridge.launch.smoke import build_config, resume_config, run_smoke
     from gymbridge.trainer import grpo
-    from gymbridge.trainer.smoke import build_config, resume_config, run_smoke
 
     flags = {"native": True, "steps": 4, "group_size": 4, "prompts_per_step": 1}
     sets = [("max_tokens", 12), ("max_turns", 1), ("payload_metrics", False), ("checkpoint_every", 1)]

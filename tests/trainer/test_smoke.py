@@ -11,8 +11,8 @@ import pytest
 
 from gymbridge.cli import load_example_environments
 from gymbridge.errors import ConfigError
-from gymbridge.trainer import smoke
-from gymbridge.trainer.smoke import SmokeConfig, build_config, run_smoke
+from gymbridge.launch import smoke
+from gymbridge.launch.smoke import SmokeConfig, build_config, run_smoke
 
 pytestmark = pytest.mark.integration
 
@@ -66,16 +66,14 @@ def test_an_error_or_ctrl_c_mid_run_still_stops_every_server(
 
 
 def test_cli_overrides_and_bad_values(tmp_path: Path) -> None:
-    cfg = build_config(
-        None, [("trainer.lr", 0.5), ("env_params.img_size", 140)], {"steps": 7, "native": None}
-    )
+    cfg = build_config(None, ["trainer.lr=0.5", "env_params.img_size=140"], {"steps": 7, "native": None})
     assert cfg.steps == 7 and cfg.trainer.lr == 0.5 and cfg.env_params["img_size"] == 140
-    assert cfg.group_size == 8  # from configs/smoke.yaml
+    assert cfg.group_size == 8  # from gymbridge/configs/smoke.yaml
     assert cfg.env == "color_pick" and cfg.shaping.kind == "none"  # the env reward alone, by default
     assert cfg.warmup.steps > 0
     assert build_config(None, [], {"seed": 5}).seed == 5
     with pytest.raises(ConfigError) as err:
-        build_config(None, [("group_size", 0), ("bogus", 1)], {})
+        build_config(None, ["group_size=0", ("bogus", 1)], {})
     assert any("group_size" in p for p in err.value.problems) and any(
         "bogus" in p for p in err.value.problems
     )

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gymbridge.errors import ConfigError, PolicyDriftError
-from gymbridge.trainer import smoke
-from gymbridge.trainer.smoke import build_config, run_smoke
+from gymbridge.launch import smoke
+from gymbridge.launch.smoke import build_config, run_smoke
 
 pytestmark = pytest.mark.integration
 
@@ -74,7 +74,7 @@ def test_a_generator_left_at_the_step0_weights_fails_the_drift_guard(tmp_path: P
 
 
 def test_no_child_survives_an_exception(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from gymbridge.trainer import generator_process, placement
+    from gymbridge.launch import generator_process, placement
 
     pids: list[int] = []
     real = generator_process.start_model_server_process

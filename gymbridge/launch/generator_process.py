@@ -98,7 +98,8 @@ def tiny_server_command(
     prompt_seed: int | None,
     enable_weight_updates: bool,
     host: str = "127.0.0.1",
-    model_flag: str = "--tiny",
+    model_flag: str | Sequence[str] = "--tiny",
+    port: int = 0,
 ) -> list[str]:
     """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child."""
     cmd = [
@@ -106,13 +107,13 @@ def tiny_server_command(
         "-m",
         "gymbridge.generation.cli",
         "serve",
-        model_flag,
+        *([model_flag] if isinstance(model_flag, str) else model_flag),
         "--seed",
         str(seed),
         "--host",
         host,
         "--port",
-        "0",
+        str(port),
         "--max-model-len",
         str(max_model_len),
         "--default-max-tokens",

@@ -10,7 +10,7 @@ every optimizer step:
   generation), served by an in-process model server on the Gym path; weights are copied in
   by :class:`~gymbridge.trainer.weight_sync.InProcessPublisher`;
 * ``placement: process`` — ``gymbridge model serve --tiny --enable-weight-updates`` as a
-  child process (:mod:`gymbridge.trainer.generator_process`), weights broadcast by
+  child process (:mod:`gymbridge.launch.generator_process`), weights broadcast by
   :class:`~gymbridge.trainer.weight_sync.DistributedPublisher`. The Gym path only: native
   rollouts call a generator object in this process.
 
@@ -95,13 +95,15 @@ async def start_generator(
     model_name: str,
     log_dir: Path,
     policy_factory: Callable[[int], Any] | None = None,
-    serve_flag: str = "--tiny",
+    serve_flag: str | tuple[str, ...] = "--tiny",
+    port: int = 0,
 ) -> GeneratorHandle:
     """Set up the generator (and, with ``serve``, its model server); see the module docstring.
 
     ``policy_factory(model_seed)`` builds the in-process generator's own model (default: the tiny
-    Qwen2-VL); ``serve_flag`` is the ``gymbridge model serve`` flag of the same model for the child
-    process (``--tiny`` or ``--tiny-omni``).
+    Qwen2-VL); ``serve_flag`` is the ``gymbridge model serve`` flag(s) of the same model for the child
+    process (``--tiny``, ``--tiny-omni`` or ``("--model", PATH, "--backend", B)``); ``port`` is the
+    model server's (0: a free one).
     """
     if cfg.placement == "process":
         return await _start_process(
@@ -114,6 +116,7 @@ async def start_generator(
             prompt_seed=prompt_seed,
             log_dir=log_dir,
             serve_flag=serve_flag,
+            port=port,
         )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.trainer.models import tiny_policy
@@ -133,7 +136,7 @@ async def start_generator(
                 model_name=model_name, max_model_len=max_model_len, default_max_tokens=default_max_tokens
             ),
         )
-        url = await server.start()
+        url = await server.start(port=port)
         stack.push_async_callback(server.stop)
     return GeneratorHandle("in_process", generator, url, publisher)
 
@@ -148,9 +151,10 @@ async def _start_process(
     default_max_tokens: int,
     prompt_seed: int | None,
     log_dir: Path,
-    serve_flag: str,
+    serve_flag: str | tuple[str, ...],
+    port: int,
 ) -> GeneratorHandle:
-    from gymbridge.trainer.generator_process import start_model_server_process, tiny_server_command
+    from gymbridge.launch.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
 
     if not serve:
@@ -167,6 +171,7 @@ async def _start_process(
         prompt_seed=prompt_seed,
         enable_weight_updates=cfg.publish_weights,
         model_flag=serve_flag,
+        port=port,
     )
     child = await asyncio.to_thread(
         start_model_server_process,

@@ -1,6 +1,6 @@
 """What a user looks at in a run directory: per-step rollouts, their media, charts and a static viewer.
 
-Layout (next to :mod:`gymbridge.trainer.rundir`'s files)::
+Layout (next to :mod:`gymbridge.launch.rundir`'s files)::
 
     DIR/rollouts/step_<n>.jsonl   one JSON object per rollout of step n (every group, failed ones too)
     DIR/media/<key>.<ext>         each media item once, named by its content key
@@ -224,7 +224,7 @@ class RunArtifacts:
         payload = orjson.dumps(data, default=str, option=orjson.OPT_SERIALIZE_NUMPY).decode()
         payload = payload.replace("</", "<\\/")  # a "</script>" inside a string cannot end the script
         write_atomic(self.path / "viewer" / "data.js", [b"window.RUN = ", payload.encode(), b";\n"])
-        template = resources.files("gymbridge.trainer").joinpath("viewer.html").read_text(encoding="utf-8")
+        template = resources.files("gymbridge.launch").joinpath("viewer.html").read_text(encoding="utf-8")
         page = template.replace("{{TITLE}}", html.escape(self.path.name))
         write_atomic(self.viewer_path, [page.encode()])
         return self.viewer_path

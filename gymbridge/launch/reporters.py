@@ -1,6 +1,6 @@
 """``report_to: [wandb, tensorboard]``: the step records of ``metrics.jsonl`` sent to experiment trackers.
 
-Each reporter receives exactly the record :func:`gymbridge.trainer.rundir.step_record` wrote,
+Each reporter receives exactly the record :func:`gymbridge.launch.rundir.step_record` wrote,
 flattened to numeric scalars (``payload.<boundary>.<field>`` for the nested payload bytes;
 strings, lists and ``None`` are left out). Both packages are optional extras imported only
 when named: a missing one raises :class:`~gymbridge.errors.ConfigError` naming the extra

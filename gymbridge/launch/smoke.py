@@ -9,7 +9,7 @@ On local defaults (``configs/smoke.yaml``) it
    gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
    ``--native``, only the environment, driven by :func:`~gymbridge.rollout.run_episode`.
    With ``generator.placement: process`` the model server is ``gymbridge model serve`` in a
-   child process instead (:mod:`gymbridge.trainer.placement`);
+   child process instead (:mod:`gymbridge.launch.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
    :class:`~gymbridge.trainer.GRPOTrainer` (or, with ``dp_workers > 0``, the
@@ -39,8 +39,8 @@ occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with t
 on the Gym path (the rollout order within a group follows HTTP arrival).
 
 **Run directory, async GRPO, resume.** Every run writes ``config.yaml``, ``dataset.jsonl``,
-``metrics.jsonl`` (one record per step, :func:`~gymbridge.trainer.rundir.step_record`),
-``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.trainer.rundir`,
+``metrics.jsonl`` (one record per step, :func:`~gymbridge.launch.rundir.step_record`),
+``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.launch.rundir`,
 printed first, never deleted). ``rollout.max_staleness: k > 0`` lets the rollouts of the next
 ``k`` batches run while the trainer trains; the generator then samples from its own copy of
 the policy, which receives the trainer's weights after every optimizer step (policy version
@@ -66,7 +66,7 @@ import functools
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
@@ -77,16 +77,24 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from gymbridge.bridge.shaping import ShapingConfig
 from gymbridge.cli import load_example_environments
-from gymbridge.config import StrictModel, load_config, parse_key_value
+from gymbridge.config import (
+    StrictModel,
+    merge_overrides,
+    parse_override,
+    read_config,
+    validate_config,
+    validate_plain,
+)
 from gymbridge.errors import ConfigError
+from gymbridge.launch.placement import GeneratorConfig
+from gymbridge.launch.reporters import ReportTo
+from gymbridge.launch.userenv import LauncherModel
+from gymbridge.launch.warmup import WarmupConfig
 from gymbridge.safe_io import write_atomic
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
-from gymbridge.trainer.placement import GeneratorConfig
-from gymbridge.trainer.reporters import ReportTo
-from gymbridge.trainer.warmup import WarmupConfig
 
 if TYPE_CHECKING:
-    from gymbridge.trainer.rundir import RunDir
+    from gymbridge.launch.rundir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +108,10 @@ __all__ = [
     "run_smoke",
 ]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "smoke.yaml"
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+"""The configs shipped inside the package (``gymbridge/configs/*.yaml``, package data)."""
+DEFAULT_CONFIG = CONFIGS_DIR / "smoke.yaml"
+"""What a run uses when given no ``--config``; ``SmokeConfig()``'s defaults are its values (a test)."""
 
 
 class RolloutConfig(StrictModel):
@@ -132,9 +143,11 @@ class SmokeConfig(StrictModel):
     """Dataset seed, and the sampling seed of the rollouts when ``reproducible``."""
     reproducible: bool = True
     """Seed every rollout's sampling from ``seed`` (see the module docstring)."""
-    model: Literal["auto", "tiny-qwen2-vl", "tiny-qwen2.5-omni"] = "auto"
-    """The tiny offline model: ``auto`` takes the Qwen2.5-Omni thinker when the environment's
-    modalities include video or audio, else the Qwen2-VL (images)."""
+    model: str = "auto"
+    """The tiny offline model: ``auto`` (or ``tiny``) takes the Qwen2.5-Omni thinker when the
+    environment's modalities include video or audio, else the Qwen2-VL (images);
+    ``tiny-qwen2-vl`` / ``tiny-qwen2.5-omni`` choose; anything else is a local Hugging Face model
+    directory (:func:`gymbridge.launch.userenv.load_pretrained`)."""
     model_seed: int = 0
     """Seed of the tiny model's random weights."""
     max_tokens: int = Field(4, ge=1)
@@ -170,17 +183,35 @@ class SmokeConfig(StrictModel):
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
     warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
-    """Format warm-up before GRPO (:mod:`gymbridge.trainer.warmup`; ``steps: 0``: none)."""
+    """Format warm-up before GRPO (:mod:`gymbridge.launch.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
+    agent_url: str | None = None
+    """A running NeMo Gym agent (``POST /run``; a genuine nemo-gym one included): the run starts no
+    environment and no agent, only the model server that agent calls (``model_port``)."""
+    dataset: str | None = None
+    """NeMo Gym rows (jsonl) to train on; default: rows generated by the example environment."""
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation backend of ``model: PATH``: ``vllm`` (GPU) serves it with vLLM in a child process."""
+    model_port: int = Field(0, ge=0, le=65535)
+    """Port of the model server the run starts (0: a free one); a separate agent is configured with it."""
 
     @field_validator("run_dir")
     @classmethod
     def _run_dir_is_not_a_file(cls, value: str | None) -> str | None:
         if value is not None and Path(value).exists() and not Path(value).is_dir():
             raise ValueError(f"{value} is a file, not a folder: give a new or existing directory")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_is_tiny_or_a_directory(cls, value: str) -> str:
+        from gymbridge.launch.userenv import TINY_MODELS
+
+        if value not in TINY_MODELS and not Path(value).is_dir():
+            raise ValueError(f"{value!r} is neither one of {', '.join(TINY_MODELS)} nor a model directory")
         return value
 
     @model_validator(mode="after")
@@ -225,33 +256,25 @@ class SmokeResult:
     """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
 
 
-@dataclass(frozen=True)
-class _TinyModel:
-    """The launcher's model choice: processor and tokenizer, the trainable policy, and its ids."""
-
-    name: str
-    processor: Any
-    tokenizer: Any
-    policy: Any
-    placeholder_token_ids: tuple[int, ...]
-    policy_factory: Callable[[int], Any]
-    """Builds this model's policy from a seed (the in-process generator's own copy)."""
-    serve_flag: str
-    """The ``gymbridge model serve`` flag that serves this model (``placement: process``)."""
+_TINY_NAMES = ("tiny-qwen2-vl", "tiny-qwen2.5-omni")
 
 
-def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
-    """The tiny model for ``cfg.model`` (``auto``: by the environment's modalities, see ``SmokeConfig``)."""
+def _pick_model(cfg: SmokeConfig, spec: Any) -> LauncherModel:
+    """The model for ``cfg.model`` (``auto``: the tiny one by the env's modalities, see ``SmokeConfig``)."""
+    from gymbridge.launch.userenv import TINY_MODELS, load_pretrained
     from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
 
     choice = cfg.model
-    if choice == "auto":
-        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & set(spec.modalities) else "tiny-qwen2-vl"
+    if choice not in TINY_MODELS:  # a local model directory
+        return load_pretrained(choice, cfg.backend)
+    if choice in ("auto", "tiny"):
+        modalities = set(spec.modalities) if spec is not None else set()  # None: an agent's env (images)
+        choice = "tiny-qwen2.5-omni" if {"video", "audio"} & modalities else "tiny-qwen2-vl"
     if choice == "tiny-qwen2.5-omni":
         from gymbridge.testing.tiny_omni import build_tiny_omni
 
         omni = build_tiny_omni(cfg.model_seed)
-        return _TinyModel(
+        return LauncherModel(
             f"gymbridge-tiny-qwen2.5-omni-seed{cfg.model_seed}",
             omni.processor,
             omni.tokenizer,
@@ -263,7 +286,7 @@ def _pick_model(cfg: SmokeConfig, spec: Any) -> _TinyModel:
     from gymbridge.testing.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(cfg.model_seed)
-    return _TinyModel(
+    return LauncherModel(
         f"gymbridge-tiny-qwen2-vl-seed{cfg.model_seed}",
         vlm.processor,
         vlm.tokenizer,
@@ -303,6 +326,19 @@ def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
         lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
     write_atomic(path, lines)  # a run killed here resumes with the whole dataset or writes it again
     return n
+
+
+def _copy_dataset(cfg: SmokeConfig, rows: list[bytes], path: Path) -> int:
+    """The user's rows (:func:`~gymbridge.launch.userenv.read_dataset`) into the run, defaults filled."""
+    lines: list[bytes] = []
+    for line in rows:
+        row = orjson.loads(line)
+        rcp = dict(row["responses_create_params"])
+        rcp.setdefault("max_output_tokens", cfg.max_tokens)
+        rcp.setdefault("temperature", cfg.trainer.temperature)
+        lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    write_atomic(path, lines)
+    return len(lines)
 
 
 def _group_rewards(groups: list[Any]) -> tuple[float, float]:
@@ -377,32 +413,42 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         ReplayBuffer,
         TokenRateShaping,
     )
+    from gymbridge.launch.artifacts import RunArtifacts
+    from gymbridge.launch.placement import start_generator
+    from gymbridge.launch.reporters import open_reporters
+    from gymbridge.launch.rundir import payload_delta, step_record
+    from gymbridge.launch.userenv import UserEnv, read_dataset, resolve_env
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
-    from gymbridge.trainer.artifacts import RunArtifacts
     from gymbridge.trainer.checkpoint import RunState, load_checkpoint, save_checkpoint
     from gymbridge.trainer.grpo import GRPOTrainer
     from gymbridge.trainer.loop import train_step
     from gymbridge.trainer.models import from_config
-    from gymbridge.trainer.placement import start_generator
-    from gymbridge.trainer.reporters import open_reporters
-    from gymbridge.trainer.rundir import payload_delta, step_record
 
     started = time.perf_counter()
     result = SmokeResult(run_dir=str(run.path))
-    spec = load_example_environments().get_env(cfg.env)
+    # None: an external agent (agent_url) holds the environment; UserEnv: a user's module:Class
+    spec = resolve_env(cfg.env) if cfg.agent_url is None else None
     dataset = run.dataset_path
     if resume and dataset.is_file():
         n_rows = sum(1 for line in dataset.read_bytes().splitlines() if line.strip())
         print(f"dataset: {n_rows} {cfg.env} rows (the run's own) -> {dataset}", file=out)
+    elif cfg.dataset is not None:
+        n_rows = _copy_dataset(cfg, read_dataset(cfg.dataset), dataset)
+        print(f"dataset: {n_rows} rows from {cfg.dataset} -> {dataset}", file=out)
+    elif spec is None or isinstance(spec, UserEnv):
+        raise ConfigError(
+            [f"{cfg.agent_url or cfg.env}: no data generator here; give dataset= (NeMo Gym rows)"]
+        )
     else:
         n_rows = _write_dataset(cfg, spec, dataset)
         print(f"dataset: {n_rows} {cfg.env} rows -> {dataset}", file=out)
 
     tiny = _pick_model(cfg, spec)
     policy = tiny.policy  # the trainer's; the generator holds a model of its own
-    print(f"model: {tiny.name} (random weights, offline)", file=out)
+    origin = "random weights, offline" if cfg.model in ("auto", "tiny", *_TINY_NAMES) else "local directory"
+    print(f"model: {tiny.name} ({origin})", file=out)
     meter = PayloadMeter(enabled=cfg.payload_metrics)
     shaping = TokenRateShaping.from_config(cfg.shaping, tiny.tokenizer)
     if shaping is not None:
@@ -436,9 +482,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             else "resumed: no checkpoint yet, starting from step 1",
             file=out,
         )
-    if not resume:  # a resumed run's checkpoint holds the warmed-up weights
+    if not resume and spec is not None:  # a resumed run's checkpoint holds the warmed-up weights
         from gymbridge.generation.hf import HFGenerator
-        from gymbridge.trainer.warmup import warmup_for_env
+        from gymbridge.launch.warmup import warmup_for_env
 
         # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
         renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
@@ -455,9 +501,11 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     version = state.policy_version if state is not None else 0
 
     async with contextlib.AsyncExitStack() as stack:
-        env = await start_server(spec.make_server())
-        stack.push_async_callback(env.stop)
-        result.urls["environment"] = env.url
+        env_url = ""
+        if spec is not None:
+            env = await start_server(spec.make_server())
+            stack.push_async_callback(env.stop)
+            result.urls["environment"] = env_url = env.url
         handle = await start_generator(
             cfg.generator,
             stack,
@@ -471,6 +519,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             policy_factory=functools.partial(_policy_in_dtype, tiny.policy_factory, dtype),
             serve_flag=tiny.serve_flag,
             log_dir=run.path,
+            port=cfg.model_port,
         )
         result.model_server_pid = handle.pid
         source: Any
@@ -478,32 +527,36 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             assert handle.generator is not None  # native runs keep the generator in this process
             source = NativeRollouts(
                 handle.generator,
-                env.url,
+                env_url,
                 max_turns=cfg.max_turns,
                 timeout_s=cfg.rollout_deadline_s,
                 meter=meter,
                 seed=cfg.seed if cfg.reproducible else None,
                 # the env's declared style, not a guess from the row (a tool env may offer no tools)
-                mode="gymnasium" if spec.style == "gymnasium" else "tools",
+                mode="gymnasium" if spec is not None and spec.style == "gymnasium" else "tools",
             )
         else:
             from gymbridge.client import GymClient
             from gymbridge.server import SimpleAgent
 
             model_url = str(handle.model_url)
-            agent = SimpleAgent(
-                resources_url=env.url,
-                model_url=model_url,
-                gymnasium=spec.style == "gymnasium",
-                max_steps=cfg.max_turns,
-                model_timeout_s=cfg.rollout_deadline_s,
-            )
-            agent_running = await start_server(agent)
-            stack.push_async_callback(agent_running.stop)
-            client = GymClient(agent_running.url, deadline_s=cfg.rollout_deadline_s)
+            agent_url = cfg.agent_url
+            if spec is not None:
+                agent = SimpleAgent(
+                    resources_url=env_url,
+                    model_url=model_url,
+                    gymnasium=spec.style == "gymnasium",
+                    max_steps=cfg.max_turns,
+                    model_timeout_s=cfg.rollout_deadline_s,
+                )
+                agent_running = await start_server(agent)
+                stack.push_async_callback(agent_running.stop)
+                agent_url = agent_running.url
+            assert agent_url is not None
+            client = GymClient(agent_url, deadline_s=cfg.rollout_deadline_s)
             stack.push_async_callback(client.aclose)
             source = GymRollouts(client, deadline_s=cfg.rollout_deadline_s, meter=meter)
-            result.urls.update(model=model_url, agent=agent_running.url)
+            result.urls.update(model=model_url, agent=agent_url)
         stack.push_async_callback(source.aclose)
         print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
         # version 0: the initial weights (a resumed run: its checkpoint's weights and version)
@@ -670,10 +723,12 @@ def run_smoke(
     The run directory (``cfg.run_dir``, default ``runs/<env>-<UTC timestamp>``) is printed first
     and kept. ``resume=True`` continues the run in ``cfg.run_dir`` from its latest checkpoint.
     """
-    from gymbridge.trainer.rundir import RunDir, default_run_dir
+    from gymbridge.launch.rundir import RunDir, default_run_dir
 
     out = out if out is not None else sys.stdout
-    path = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir(cfg.env)
+    _check_setup(cfg)
+    name = "agent" if cfg.agent_url is not None else cfg.env.replace(":", "-").replace("/", "-")
+    path = Path(cfg.run_dir) if cfg.run_dir is not None else default_run_dir(name)
     print(f"run dir: {path}", file=out, flush=True)
     run = RunDir(path)
     if resume:
@@ -690,13 +745,41 @@ def run_smoke(
     return asyncio.run(_run(cfg, out, progress, run, resume))
 
 
+def _check_setup(cfg: SmokeConfig) -> None:
+    """Refuse, before anything starts, the combinations of a user's setup that cannot run."""
+    from gymbridge.launch.userenv import TINY_MODELS, require_vllm
+
+    problems: list[str] = []
+    if cfg.agent_url is not None and cfg.native:
+        problems.append(
+            "agent_url: native rollouts drive the environment themselves; drop native or agent_url"
+        )
+    if cfg.agent_url is not None and cfg.dataset is None:
+        problems.append("agent_url: give dataset= (the NeMo Gym rows the agent runs)")
+    if cfg.backend == "vllm":
+        if cfg.model in TINY_MODELS:
+            problems.append(
+                "backend=vllm serves a model directory: give model=PATH (the tiny models are hf only)"
+            )
+        if cfg.generator.placement != "process":
+            problems.append(
+                "backend=vllm runs the model server as its own process: set generator.placement=process"
+            )
+    if problems:
+        raise ConfigError(problems)
+    if cfg.backend == "vllm":
+        require_vllm()
+
+
 def resume_config(run_dir: str | Path) -> SmokeConfig:
     """The config of the run in ``run_dir`` (its ``config.yaml``), pointed at ``run_dir``."""
-    from gymbridge.trainer.rundir import RunDir
+    from gymbridge.launch.rundir import RunDir
 
-    data = RunDir(Path(run_dir)).read_config()
+    run = RunDir(Path(run_dir))
+    data = run.read_config()
     data["run_dir"] = str(run_dir)
-    return load_config(data, SmokeConfig)
+    # saved resolved: a literal "${" in it is text, never interpolated again
+    return validate_plain(data, SmokeConfig, where=str(run.config_path))
 
 
 # ------------------------------------------------------------------------ CLI
@@ -711,43 +794,66 @@ OTHER_ENV_DEFAULTS: dict[str, Any] = {
 ``LAUNCHER_DEFAULTS`` override these."""
 
 
-def build_config(
-    config_path: str | Path | None, overrides: list[tuple[str, Any]], flags: dict[str, Any]
-) -> SmokeConfig:
-    """Load ``config_path`` (default ``configs/smoke.yaml`` when present), apply ``--set`` and flags.
+def config_path(name: str | Path) -> Path:
+    """``--config``'s argument as a file: a path, or the name of a shipped config (``smoke_ray``)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = CONFIGS_DIR / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    # a bare name, or the old checkout path configs/NAME.yaml (the configs moved into the package)
+    if path.parent in (Path("."), Path("configs")) and shipped.is_file():
+        return shipped
+    return path  # read_config names the file it cannot read
 
-    ``--env`` naming another environment than the file's drops the file's ``env_params`` (they are
-    that environment's generator parameters); ``--set env_params.X=...`` still applies.
+
+def build_config(
+    config_path_or_name: str | Path | None,
+    overrides: Sequence[str | tuple[str, Any]],
+    flags: dict[str, Any],
+) -> SmokeConfig:
+    """Load the config (default: the shipped ``gymbridge/configs/smoke.yaml``), merge ``--set`` and flags.
+
+    ``--set`` overrides are OmegaConf dot-lists (``trainer.lr=1e-3``), merged over the file; the
+    flags (``--steps``, ...) come last. ``--env`` naming another environment than the file's drops
+    the file's ``env_params`` (they are that environment's generator parameters); ``--set
+    env_params.X=...`` still applies. Interpolations resolve after every merge, then pydantic
+    validates (:func:`gymbridge.config.validate_config`).
     """
-    data: dict[str, Any] = {}
-    path = Path(config_path) if config_path is not None else DEFAULT_CONFIG
-    if config_path is not None or path.is_file():
-        data = load_config(path, SmokeConfig).model_dump(exclude_unset=True)
+    path = config_path(config_path_or_name) if config_path_or_name is not None else DEFAULT_CONFIG
+    where = str(path)
+    conf = read_config(path)
     env_flag = flags.get("env")
-    if env_flag is not None and env_flag != data.get("env", SmokeConfig.model_fields["env"].default):
-        # another environment than the file's: its own defaults, not the file's settings for another one
-        defaults = {**OTHER_ENV_DEFAULTS, **load_example_environments().get_env(env_flag).launcher_defaults()}
+    other_env = env_flag is not None and env_flag != conf.get("env", SmokeConfig.model_fields["env"].default)
+    if other_env or (flags.get("agent_url") and not conf.get("agent_url")):
+        # another environment than the file's (or an agent's own): its own defaults, not the
+        # file's settings for another one
+        defaults = {
+            **OTHER_ENV_DEFAULTS,
+            **(environment_launcher_defaults(str(env_flag)) if other_env else {}),
+        }
         for key in OTHER_ENV_DEFAULTS:
-            data.pop(key, None)
-        trainer_defaults = defaults.pop("trainer", {})
-        data.update(defaults)
-        data["trainer"] = {**data.get("trainer", {}), **trainer_defaults}
-    for key, value in [*overrides, *((k, v) for k, v in flags.items() if v is not None)]:
-        node = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError([f"{key}: {part} is not a section"])
-            node = child
-        node[parts[-1]] = value
-    return load_config(data, SmokeConfig)
+            conf.pop(key, None)
+        conf.merge_with(defaults)
+    conf = merge_overrides(conf, overrides, where=where)
+    conf.merge_with({k: v for k, v in flags.items() if v is not None})
+    return validate_config(conf, SmokeConfig, where=where)
+
+
+def environment_launcher_defaults(env: str) -> dict[str, Any]:
+    """The launcher defaults of environment ``env`` (an example environment's ``LAUNCHER_DEFAULTS``)."""
+    from gymbridge.launch.userenv import is_class_ref
+
+    if is_class_ref(env):
+        return {}  # a user's server class: the generic defaults
+    return dict(load_example_environments().get_env(env).launcher_defaults())
 
 
 def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
     """The launcher's options, on any parser."""
     parser.add_argument(
-        "--config", type=Path, default=None, help=f"YAML config (default {DEFAULT_CONFIG.name})"
+        "--config",
+        default=None,
+        help=f"YAML config: a file or a shipped config's name (default {DEFAULT_CONFIG.stem})",
     )
     parser.add_argument(
         "--native", action="store_true", default=None, help="native rollouts (no agent/model server)"
@@ -775,11 +881,11 @@ def add_smoke_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
         dest="overrides",
-        type=parse_key_value,
+        type=parse_override,
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any config key (dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
+        help="override any config key (OmegaConf dot-list: dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_cmd_smoke)
@@ -802,7 +908,9 @@ def _cmd_smoke(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /run call drowns the steps
     if args.resume is not None:
         given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
-        given += [f"--set {k}" for k, _ in args.overrides] + (["--config"] if args.config else [])
+        given += [f"--set {o.partition('=')[0]}" for o in args.overrides] + (
+            ["--config"] if args.config else []
+        )
         if given:
             raise ConfigError(
                 [f"--resume continues the run as saved in {args.resume}/config.yaml; drop {', '.join(given)}"]
@@ -821,7 +929,7 @@ def add_smoke_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m gymbridge.trainer.smoke [options]`` (same options as ``gymbridge smoke``)."""
+    """``python -m gymbridge.launch.smoke [options]`` (same options as ``gymbridge smoke``)."""
     from gymbridge.cli import run_command
 
     parser = argparse.ArgumentParser(
