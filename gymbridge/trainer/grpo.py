@@ -82,6 +82,13 @@ from pydantic import Field, model_validator
 from gymbridge.config import StrictModel
 from gymbridge.errors import PolicyDriftError, TrajectoryError
 from gymbridge.generation.types import media_special_token_ids
+from gymbridge.trainer.encoder import (
+    EncoderStats,
+    encode_unique,
+    encoder_plan,
+    encoder_refs,
+    log_fallback_once,
+)
 
 if TYPE_CHECKING:
     from gymbridge.tensors import TrainBatch
@@ -122,6 +129,10 @@ class GRPOConfig(StrictModel):
     is_cap: float | None = None
     """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
+    encoder_dedup: bool = True
+    """Run the media encoders once per unique item of a micro-batch and scatter their outputs to every
+    reference (:mod:`gymbridge.trainer.encoder`; same loss and gradients as encoding every copy). A model
+    without the hook falls back to the materialised path (logged; ``StepMetrics.encoder_dedup`` False)."""
 
     @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:
@@ -159,6 +170,13 @@ class StepMetrics:
     """Seconds spent publishing this step's weights to the generator; set by the launcher."""
     is_capped_fraction: float = 0.0
     """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
+    encoder_segments: int = 0
+    """Media items the encoders ran on this step, summed over micro-batches (with ``encoder_dedup``:
+    each unique item once per micro-batch holding it; otherwise every reference)."""
+    encoder_refs: int = 0
+    """Media references (placeholder blocks) the encoder outputs filled this step, every copy counted."""
+    encoder_dedup: bool = False
+    """Every micro-batch with media encoded each unique item once (False without media)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -181,6 +199,11 @@ class GradientResult:
     """Largest ``|new - old|`` logprob over those tokens."""
     capped_tokens: int = 0
     """Tokens whose importance weight ``is_cap`` truncated."""
+    encoder_segments: int = 0
+    """Media items encoded over this part's micro-batches (see ``StepMetrics.encoder_segments``)."""
+    encoder_refs: int = 0
+    encoder_dedup: bool = False
+    """Every micro-batch of this part with media encoded once per unique item."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -193,12 +216,24 @@ def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
     return out
 
 
-def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
+def _forward_kwargs(
+    model: Any,
+    batch: TrainBatch,
+    *,
+    encoder_dedup: bool = False,
+    encoder_stats: EncoderStats | None = None,
+) -> dict[str, Any]:
+    """The model's forward inputs for ``batch``; with ``encoder_dedup`` the encoders run once per unique
+    item (:mod:`gymbridge.trainer.encoder`) where the model allows, else every reference is materialised."""
     from gymbridge.tensors.processor import forward_media_kwargs
 
     device = next(model.parameters()).device
     params = inspect.signature(model.forward).parameters
-    media = media_kwargs(batch)
+    plan = encoder_plan(model, batch.media) if encoder_dedup and encoder_refs(batch.media) else None
+    if isinstance(plan, str):
+        log_fallback_once(model, plan)
+        plan = None
+    media = plan.passthrough if plan is not None else media_kwargs(batch)
     try:
         named = forward_media_kwargs(media, params)
     except ValueError as exc:
@@ -223,6 +258,10 @@ def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
             if tid is not None and key in media:
                 types[batch.input_ids == tid] = code
         kwargs["mm_token_type_ids"] = types.to(device)
+    if plan is not None and plan.items:
+        kwargs.update(encode_unique(model, plan, kwargs["input_ids"]).kwargs)
+    if encoder_stats is not None:
+        encoder_stats.add(plan, batch.media)
     return kwargs
 
 
@@ -271,16 +310,21 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     suppress_token_ids: Sequence[int] | None = None,
+    encoder_dedup: bool = False,
+    encoder_stats: EncoderStats | None = None,
 ) -> torch.Tensor:
     """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
 
     One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
     The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
     model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask).
+    ``encoder_dedup``: encode each unique media item once (``GRPOConfig.encoder_dedup``);
+    ``encoder_stats`` counts the encoder work.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
-    logits = model(**_forward_kwargs(model, batch)).logits.float()
+    fwd = _forward_kwargs(model, batch, encoder_dedup=encoder_dedup, encoder_stats=encoder_stats)
+    logits = model(**fwd).logits.float()
     if temperature != 1.0:
         logits = logits / temperature
     ids = batch.input_ids.to(logits.device)
@@ -382,11 +426,17 @@ class GRPOTrainer:
         loss_sum = ratio_sum = kl_sum = 0.0
         clipped = capped = 0
         first: tuple[float, float] | None = None
+        encoder = EncoderStats()
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens):
             if float(mb.loss_mask.sum()) == 0:
                 continue
             new_lp = token_logprobs(
-                self.model, mb, temperature=cfg.temperature, suppress_token_ids=cfg.suppress_token_ids
+                self.model,
+                mb,
+                temperature=cfg.temperature,
+                suppress_token_ids=cfg.suppress_token_ids,
+                encoder_dedup=cfg.encoder_dedup,
+                encoder_stats=encoder,
             )
             loss, stats = grpo_token_loss(
                 new_lp,
@@ -420,6 +470,9 @@ class GRPOTrainer:
             first_ratio_mean=first_mean,
             first_max_abs_log=first_max,
             capped_tokens=capped,
+            encoder_segments=encoder.segments,
+            encoder_refs=encoder.refs,
+            encoder_dedup=encoder.deduplicated,
         )
 
     def check_drift(self, first: GradientResult) -> None:
@@ -500,4 +553,8 @@ def summarize(
         ratio_mean=lead.first_ratio_mean if lead is not None else 1.0,
         ratio_max_abs_log=lead.first_max_abs_log if lead is not None else 0.0,
         is_capped_fraction=sum(p.capped_tokens for p in parts) / max(tokens, 1),
+        encoder_segments=sum(p.encoder_segments for p in parts),
+        encoder_refs=sum(p.encoder_refs for p in parts),
+        encoder_dedup=any(p.encoder_refs for p in parts)
+        and all(p.encoder_dedup for p in parts if p.encoder_refs),
     )
