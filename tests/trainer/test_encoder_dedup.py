@@ -12,8 +12,10 @@ import copy
 import io
 import logging
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import torch
 from hypothesis import given, settings
@@ -312,3 +314,20 @@ def test_omni_images_video_and_audio_each_encoded_once_with_the_same_gradients(o
     # items: 2 images + 1 video + 2 audio clips; references: 3 per row + row 1's own clip
     assert (on.encoder_segments, on.encoder_refs, on.encoder_dedup) == (5, 3 * 2 * g + 1, True)
     assert off.encoder_segments == off.encoder_refs == 3 * 2 * g + 1
+
+
+@pytest.mark.integration
+def test_smoke_run_reports_one_encoder_segment_per_unique_image(tmp_path: Path) -> None:
+    """``gymbridge smoke run``, 2 steps of 2 prompts x G=4: ``encoder_segments`` is the unique images."""
+    from gymbridge.trainer import smoke
+
+    run_dir = tmp_path / "run"
+    argv = ["--native", "--steps", "2", "--prompts", "2", "--group-size", "4", "--run-dir", str(run_dir)]
+    argv += ["--set", "max_tokens=6", "--set", "max_turns=1", "--no-progress"]
+    assert smoke.main(argv) == 0
+    records = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["encoder_dedup"] is True
+        assert r["encoder_segments"] == len(r["media_keys"]) == 2  # one image per prompt
+        assert r["encoder_refs"] == r["num_rows"] == 8  # every rollout row references its prompt's image
