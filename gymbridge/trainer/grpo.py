@@ -36,12 +36,15 @@ prompt positions whose token *is* a placeholder (they are outside the loss mask)
 
 Invariants:
 
-* media are materialized only here, per micro-batch, right before the forward pass
+* media reach the model only here, per micro-batch, right before the forward pass: with
+  ``GRPOConfig.encoder_dedup`` (default) each unique item is encoded once and its output given
+  to every reference (:mod:`gymbridge.trainer.encoder`; loss and gradients as if every copy were
+  encoded), otherwise, or for a model without that hook, materialized
   (``PackedTensor.materialize`` of the micro-batch's rows, in row order: the order the
-  model consumes each modality's placeholders), and passed under the names the model's
+  model consumes each modality's placeholders); either way passed under the names the model's
   ``forward`` takes (:func:`~gymbridge.tensors.processor.forward_media_kwargs`: images,
   videos with their timing key, audio features with ``feature_attention_mask``); the text
-  ``input_ids`` / ``attention_mask`` are set last and a media key spelled like them is a
+  ``input_ids`` / ``attention_mask`` are set after every media key and one spelled like them is a
   ``TrajectoryError``, so no media mask ever replaces the text attention mask;
 * gradients of a batch split into micro-batches (or DP shards, see
   :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
