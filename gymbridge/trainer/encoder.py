@@ -55,7 +55,6 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "AUDIO_EMBED_MODEL_TYPES",
     "ENCODER_MODALITIES",
-    "EncodedMedia",
     "EncoderPlan",
     "EncoderStats",
     "ModalityItems",
@@ -120,13 +119,6 @@ class EncoderPlan:
         return sum(m.num_refs for m in self.items)
 
 
-@dataclass(frozen=True)
-class EncodedMedia:
-    """Forward inputs carrying encoder outputs: ``mm_encoder_outputs`` and/or ``inputs_embeds``."""
-
-    kwargs: dict[str, Any]
-
-
 def encoder_refs(media: Mapping[str, PackedTensor]) -> int:
     """References the encoders see in ``media`` (items of every modality, each copy counted)."""
     return sum(media[primary].num_refs for primary, _ in ENCODER_MODALITIES.values() if primary in media)
@@ -139,7 +131,10 @@ def unique_items(modality: str, packs: Mapping[str, PackedTensor]) -> ModalityIt
     reason is returned and nothing is merged.
     """
     primary, side = ENCODER_MODALITIES[modality]
-    keys = [primary, *(k for k in side if k in packs)]
+    missing = [k for k in side if k not in packs]
+    if missing:
+        return f"{modality} key {primary!r} comes without {missing}"
+    keys = [primary, *side]
     first = packs[primary]
     for key in keys[1:]:
         if not torch.equal(packs[key].offsets, first.offsets):
@@ -233,7 +228,7 @@ def _cast(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
     return value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
 
 
-def encode_unique(model: Any, plan: EncoderPlan, input_ids: torch.Tensor) -> EncodedMedia:
+def encode_unique(model: Any, plan: EncoderPlan, input_ids: torch.Tensor) -> dict[str, Any]:
     """Run ``plan``'s encoders once per unique item and scatter their outputs to every reference.
 
     ``input_ids`` ``[B, L]`` (on the model's device) locates the audio placeholders. Returns the
@@ -263,7 +258,7 @@ def encode_unique(model: Any, plan: EncoderPlan, input_ids: torch.Tensor) -> Enc
         kwargs["inputs_embeds"] = _scatter_audio(model, inputs, order, input_ids, kwargs.get("inputs_embeds"))
     if outputs:
         kwargs["mm_encoder_outputs"] = outputs
-    return EncodedMedia(kwargs)
+    return kwargs
 
 
 def _scatter_audio(

@@ -262,7 +262,7 @@ def _forward_kwargs(
                 types[batch.input_ids == tid] = code
         kwargs["mm_token_type_ids"] = types.to(device)
     if plan is not None and plan.items:
-        kwargs.update(encode_unique(model, plan, kwargs["input_ids"]).kwargs)
+        kwargs.update(encode_unique(model, plan, kwargs["input_ids"]))
     if encoder_stats is not None:
         encoder_stats.add(plan, batch.media)
     return kwargs

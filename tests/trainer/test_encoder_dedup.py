@@ -220,10 +220,12 @@ def test_a_model_without_the_hook_falls_back_logged_and_reports_it(
     assert res.loss_sum == pytest.approx(off.loss_sum, rel=1e-6)
 
 
-def test_media_of_unknown_modality_fall_back(vlm: Any) -> None:
+def test_media_of_unknown_modality_or_without_their_grids_fall_back(vlm: Any) -> None:
     batch = build_batch(vlm, [[png((40, 90, 200))]] * 2, 2)
     extra = dict(batch.media, image_sizes=PackedTensor.from_rows([[torch.ones(1, 2)]] * 2))
     assert encoder_plan(vlm.model, extra) == "media keys of unknown modality ['image_sizes']"
+    pixels_only = {"pixel_values": batch.media["pixel_values"]}
+    assert encoder_plan(vlm.model, pixels_only) == "image key 'pixel_values' comes without ['image_grid_thw']"
 
 
 def test_step_metrics_carry_the_encoder_counts(vlm: Any) -> None:
