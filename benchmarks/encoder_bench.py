@@ -109,7 +109,7 @@ def main() -> None:
     )
     print(
         "| G | rows | tokens | patch rows encoded (on / off) | step on (s) | step off (s) | off / on "
-        "| max grad diff |"
+        "| max grad diff (rel.) |"
     )
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for group in args.groups:
