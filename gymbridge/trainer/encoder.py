@@ -221,7 +221,7 @@ def log_fallback_once(model: Any, reason: str) -> None:
     if key in _LOGGED:
         return
     _LOGGED.add(key)
-    logger.info("media encoded per reference (materialised path), not once per unique item: %s", reason)
+    logger.warning("media encoded per reference (materialised path), not once per unique item: %s", reason)
 
 
 def _cast(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
