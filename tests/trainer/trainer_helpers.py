@@ -24,10 +24,11 @@ def image(color: tuple[int, int, int]) -> MediaItem:
     return MediaItem.from_bytes(buf.getvalue(), "image", mime="image/png")
 
 
-def single_turn(
-    prompt: list[int], gen: list[int], media: list[MediaItem], reward: float, task: int, rollout: int
+def trajectory(
+    tiny: TinyVLM, media: MediaItem, gen: list[int], reward: float, task: int, rollout: int
 ) -> Trajectory:
-    """A one-turn trajectory: ``prompt`` (with the media's placeholders) then ``gen``, logprobs 0."""
+    prompt = [tiny.im_start_token_id, *TEXT, tiny.vision_start_token_id, *[tiny.image_token_id] * 4]
+    prompt += [tiny.vision_end_token_id, 44, 45]
     turn = Turn(
         index=0,
         item_index=1,
@@ -36,17 +37,9 @@ def single_turn(
         prompt_token_ids=prompt,
         generation_token_ids=gen,
         generation_logprobs=[0.0] * len(gen),
-        media=media,
+        media=[media],
     )
     return Trajectory(turns=[turn], reward=reward, task_index=task, rollout_index=rollout)
-
-
-def trajectory(
-    tiny: TinyVLM, media: MediaItem, gen: list[int], reward: float, task: int, rollout: int
-) -> Trajectory:
-    prompt = [tiny.im_start_token_id, *TEXT, tiny.vision_start_token_id, *[tiny.image_token_id] * 4]
-    prompt += [tiny.vision_end_token_id, 44, 45]
-    return single_turn(prompt, gen, [media], reward, task, rollout)
 
 
 def make_batch(tiny: TinyVLM, *, groups: int = 2, group_size: int = 4) -> TrainBatch:
