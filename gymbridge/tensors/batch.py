@@ -67,7 +67,6 @@ _ROW_TENSORS = (
     "segment_ids",
     "sample_mask",
 )
-_NEVER_CAST_SUFFIXES = ("_grid_thw", "_sizes", "_mask", "_lengths", "_ids")
 
 
 def group_advantages(
@@ -368,52 +367,29 @@ class TrainBatch:
         return TrainBatch(**kw, media=media, metadata=meta, pad_token_id=pad_id)
 
     def shard(self, num_shards: int, *, group_aware: bool = True) -> list[TrainBatch]:
-        """Split into ``num_shards`` DP shards whose row counts differ by at most one.
+        """Split into ``num_shards`` DP shards balanced by **tokens** (``lengths``), not rows.
 
-        With ``group_aware`` whole groups are placed on one shard where the sizes allow
-        (largest groups first, into the shard with the most room that fits them); only
-        groups that fit nowhere are split across shards. Each shard holds only the media
-        segments its rows reference.
+        A row's cost is its sequence tokens (what its forward and backward pass cost). With
+        ``group_aware`` whole groups are the units: largest first, each onto the least loaded
+        shard if that keeps the shard within ``target + max_row / 2`` (``target`` = total
+        tokens / ``num_shards``); the groups that fit nowhere are split, their rows (in group
+        order, so a split group stays on few shards) filling the least loaded shards up to one
+        common water level at row boundaries. Without ``group_aware`` every row is its own unit.
+        Every row lands in exactly one shard, in batch order inside it; each shard holds only
+        the media segments its rows reference. A shard may be empty (fewer rows than shards).
         """
         if num_shards < 1:
             raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-        n = len(self)
-        capacity = [n // num_shards + (1 if s < n % num_shards else 0) for s in range(num_shards)]
-        if not group_aware:
-            bounds = [0]
-            for c in capacity:
-                bounds.append(bounds[-1] + c)
-            return [self.select(slice(bounds[s], bounds[s + 1])) for s in range(num_shards)]
-        gids, inverse, counts = torch.unique(self.group_ids, return_inverse=True, return_counts=True)
-        order = torch.argsort(inverse, stable=True)
-        starts = torch.cumsum(counts, 0) - counts
-        members = [order[int(starts[g]) : int(starts[g] + counts[g])] for g in range(gids.numel())]
-        room = list(capacity)
-        assigned: list[list[torch.Tensor]] = [[] for _ in range(num_shards)]
-        leftovers: list[torch.Tensor] = []
-        for g in sorted(range(len(members)), key=lambda g: (-members[g].numel(), g)):
-            size = members[g].numel()
-            fits = [s for s in range(num_shards) if room[s] >= size]
-            if not fits:
-                leftovers.append(members[g])
-                continue
-            s = max(fits, key=lambda s: (room[s], -s))
-            assigned[s].append(members[g])
-            room[s] -= size
-        if leftovers:
-            logger.debug("shard: %d group(s) do not fit one shard and are split", len(leftovers))
-            rest = torch.cat(leftovers)
-            pos = 0
-            for s in range(num_shards):
-                if room[s]:
-                    assigned[s].append(rest[pos : pos + room[s]])
-                    pos += room[s]
-                    room[s] = 0
-        out: list[TrainBatch] = []
-        for s in range(num_shards):
-            idx = torch.cat(assigned[s]) if assigned[s] else torch.zeros(0, dtype=torch.int64)
-            out.append(self.select(torch.sort(idx).values))
-        return out
+        weights = [max(int(w), 1) for w in self.lengths.tolist()]
+        if group_aware:
+            by_group: dict[int, list[int]] = {}
+            for row, gid in enumerate(self.group_ids.tolist()):
+                by_group.setdefault(int(gid), []).append(row)
+            units = list(by_group.values())
+        else:
+            units = [[row] for row in range(len(self))]
+        assigned = _balance_units(units, weights, num_shards)
+        return [self.select(torch.tensor(sorted(rows), dtype=torch.int64)) for rows in assigned]
 
     def micro_batches(self, max_tokens: int) -> list[TrainBatch]:
         """Dynamic batching: micro-batches whose padded size (rows x longest row) fits ``max_tokens``.
@@ -513,10 +489,15 @@ class TrainBatch:
         return replace(self, **kw, media=media)
 
     def cast_media(self, dtype: torch.dtype) -> TrainBatch:
-        """Cast floating media keys (pixel values, features) to ``dtype``; grid/size metadata never cast."""
-        media = {
-            k: v if k.endswith(_NEVER_CAST_SUFFIXES) else v.to(dtype=dtype) for k, v in self.media.items()
-        }
+        """A new batch whose floating model inputs are cast to ``dtype`` (this one is unchanged).
+
+        Which keys are cast is :data:`~gymbridge.tensors.processor.MEDIA_KEY_CAST`'s table
+        (pixel values, audio features); metadata (grid sizes, masks, lengths, the video timing
+        ``*_second_per_grid``) and keys the table does not list keep their dtype.
+        """
+        from gymbridge.tensors.processor import MEDIA_KEY_CAST
+
+        media = {k: v.to(dtype=dtype) if MEDIA_KEY_CAST.get(k, False) else v for k, v in self.media.items()}
         return replace(self, media=media)
 
     def __repr__(self) -> str:
@@ -582,6 +563,46 @@ class PackedBatch:
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         state = _dataclass_state(self, protocol.__index__())
         return (_rebuild_dataclass, (PackedBatch, state))
+
+
+def _balance_units(units: Sequence[list[int]], weights: Sequence[int], num_shards: int) -> list[list[int]]:
+    """Rows per shard (``TrainBatch.shard``): whole units where they fit, the rest water-filled."""
+    total = sum(weights)
+    target = total / num_shards
+    slack = max(weights, default=0) / 2
+    load = [0] * num_shards
+    rows: list[list[int]] = [[] for _ in range(num_shards)]
+    cost = [sum(weights[r] for r in unit) for unit in units]
+    leftovers: list[int] = []
+    for u in sorted(range(len(units)), key=lambda u: (-cost[u], u)):
+        s = min(range(num_shards), key=lambda s: (load[s], s))
+        if load[s] + cost[u] <= target + slack:
+            rows[s].extend(units[u])
+            load[s] += cost[u]
+        else:
+            leftovers.extend(units[u])
+    if not leftovers:
+        return rows
+    # water level: the shards below it are filled up to it, in order of load, at row boundaries
+    rest = sum(weights[r] for r in leftovers)
+    order = sorted(range(num_shards), key=lambda s: (load[s], s))
+    level = 0.0
+    for k in range(1, num_shards + 1):
+        level = (rest + sum(load[s] for s in order[:k])) / k
+        if k == num_shards or level <= load[order[k]]:
+            order = order[:k]
+            break
+    pos, filled, deficit = 0, 0, 0.0
+    for i, s in enumerate(order):
+        deficit += level - load[s]
+        last = i == len(order) - 1
+        # cut at the row boundary nearest to the cumulative deficit (the last shard takes the rest)
+        while pos < len(leftovers) and (last or filled + weights[leftovers[pos]] / 2 <= deficit):
+            rows[s].append(leftovers[pos])
+            filled += weights[leftovers[pos]]
+            load[s] += weights[leftovers[pos]]
+            pos += 1
+    return rows
 
 
 def _dataclass_state(obj: Any, protocol: int) -> dict[str, Any]:

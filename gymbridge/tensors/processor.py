@@ -52,6 +52,7 @@ from gymbridge.tensors.packed import derive_provenance
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "MEDIA_KEY_CAST",
     "MEDIA_KEY_MODALITY",
     "MediaLike",
     "MediaProcessor",
@@ -76,6 +77,21 @@ MEDIA_KEY_MODALITY: dict[str, str] = {
     "audio_feature_lengths": "audio",
 }
 """The modality of each model-input key gymbridge's processing produces (others: ``"other"``)."""
+
+MEDIA_KEY_CAST: dict[str, bool] = {
+    "pixel_values": True,
+    "pixel_values_videos": True,
+    "input_features": True,
+    "image_grid_thw": False,
+    "video_grid_thw": False,
+    "video_second_per_grid": False,
+    "second_per_grid_ts": False,
+    "feature_attention_mask": False,
+    "audio_feature_lengths": False,
+}
+"""Whether a media key is cast to the policy's dtype (``TrainBatch.cast_media``): the model's floating
+inputs are; metadata never is, floating or not (``video_second_per_grid`` is float32 seconds: bf16
+would round the timing the M-RoPE positions are computed from). A key not listed is not cast."""
 
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "position_ids", "token_type_ids", "mm_token_type_ids"})
 """Keys of the token stream: media outputs never carry them (the rollout's tokens are authoritative)."""

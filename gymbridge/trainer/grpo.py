@@ -77,7 +77,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -136,6 +136,16 @@ class GRPOConfig(StrictModel):
     """Run the media encoders once per unique item of a micro-batch and scatter their outputs to every
     reference (:mod:`gymbridge.trainer.encoder`; same loss and gradients as encoding every copy). A model
     without the hook falls back to the materialised path (logged; ``StepMetrics.encoder_dedup`` False)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The policy's dtype for training (the launcher builds the trainer's and the in-process
+    generator's models in it); floating media bound for the policy are cast to it before they
+    cross to DP workers (:meth:`~gymbridge.tensors.TrainBatch.cast_media`)."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """``dtype`` as a ``torch.dtype``."""
+        return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
     @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:

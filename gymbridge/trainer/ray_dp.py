@@ -1,26 +1,55 @@
-"""Data-parallel GRPO over Ray actors: group-aware shards, summed gradients, identical weights.
+"""Data-parallel GRPO: Ray actors in one torch.distributed group, gradients reduced inside it.
 
-The driver keeps the policy (the one generation uses) in a :class:`GRPOTrainer`. Each of
-``num_workers`` Ray actors builds its own copy from ``model_factory`` and loads the
-driver's weights once. A step:
+``num_workers`` Ray actors (:class:`DPWorker`) each build a policy copy from
+``model_factory`` and form **one** ``torch.distributed`` process group (torch's default
+group in each actor's process; gloo on CPU, NCCL when the actors hold a GPU). The
+weight-sync group of :mod:`gymbridge.trainer.weight_sync` is another, private group between
+the driver and the generator; the two never meet. Rendezvous: rank 0 picks a free port on
+127.0.0.1 when every worker runs on one node (else on its node's address) and the others
+join ``tcp://host:port``.
 
-1. ``batch.shard(num_workers, group_aware=True)``: whole groups per shard where sizes allow,
-   each shard holding only the media segments its rows reference, once (the shard is
-   pickled with protocol 5 by Ray, tensor storage out of band; ``PayloadMeter`` records
-   each at the ``policy_shard`` boundary);
-2. every worker computes the gradients of its shard's loss divided by the **whole batch's**
-   loss-token count, so the workers' gradients sum exactly to the full-batch gradient;
-3. the driver sums them, clips and applies them with its optimizer, and broadcasts the
-   clipped gradients (one ``ray.put``); every worker applies them with its own optimizer,
-   whose state evolves identically, so the weights stay identical everywhere
-   (:meth:`RayDPTrainer.param_digests` checks it).
+A step (:meth:`RayDPTrainer.step`):
 
-The drift guard of :mod:`gymbridge.trainer.grpo` runs on the first shard that holds a loss
-token (its first micro-batch), before the driver or any worker applies the step.
+1. the driver splits the batch with ``batch.shard(num_workers)`` (whole GRPO groups where the
+   sizes allow, balanced by sequence tokens), casts each shard's floating media to the
+   policy's dtype (``GRPOConfig.dtype``, through the per-key table of
+   :meth:`~gymbridge.tensors.TrainBatch.cast_media`; the batch itself, and with it replay and
+   what the Gym returned, keeps its dtype), and sends each worker its shard: deduplicated
+   (only the media segments its rows reference, once; pickle protocol 5, storage out of
+   band), recorded at the ``policy_shard`` boundary of the ``PayloadMeter``;
+2. every worker accumulates its shard's gradients over its micro-batches locally
+   (``GRPOTrainer.compute_gradients`` with the **whole batch's** loss-token count, so the
+   shards' gradients sum to the full-batch gradient) and then all-reduces (sum) them once, in
+   flat buckets of at most 64 MiB (:func:`~gymbridge.generation.weights.plan_buckets`);
+   it returns metrics only: **the driver never holds a gradient**;
+3. the drift guard runs on the driver, on the metrics of the first shard that holds a loss
+   token (its first such micro-batch), before any worker moves; a drifted step raises
+   :class:`~gymbridge.errors.PolicyDriftError` and every worker drops its gradients;
+4. every worker clips the reduced gradients and steps its own AdamW (the same numbers in, so
+   the same weights out: :meth:`RayDPTrainer.param_digests` checks it), and rank 0 alone
+   returns its weights; the driver loads them into its policy, which the launcher's
+   publisher (in-process copy or torch.distributed broadcast) hands to the generator. Per
+   step the driver receives the weights once from rank 0 (``P`` bytes) and sends ``batch``
+   bytes; the home-made predecessor moved ``2 x P`` per worker through the driver.
+
+**Why an explicit all-reduce, not DDP or FSDP2.** ``GRPOTrainer.compute_gradients`` (the one
+step every mode runs, with every ``GRPOConfig`` option: packing, the encoder path, KL)
+computes gradients with ``torch.autograd.grad`` into its own buffers and reads the model's
+``forward`` signature to name the media inputs. DDP's reducer hooks fire on ``.grad``
+accumulation (``backward``) and its wrapper hides ``forward``'s signature; FSDP2's
+``fully_shard`` (it does run on gloo/CPU with this torch) reduce-scatters in post-backward
+hooks too and leaves each worker a shard, not the whole weights that rank 0 publishes. One
+bucketed all-reduce after local accumulation is exactly DDP's ``no_sync`` + last-micro-batch
+reduction, without a second copy of the step: the parity tests compare ``dp_workers`` 0, 1, 2.
+
+A worker whose shard fails (a bad trajectory) says so to its peers before the reduction (a
+one-element all-reduce of a failure flag), so nobody waits on a collective that never comes:
+the failing worker raises its error, the others drop their gradients.
 
 Ray is imported lazily: a missing ``ray`` raises ``ImportError`` naming the ``ray`` extra.
-:func:`init_ray` starts a local Ray with ``num_cpus`` CPUs, no dashboard and
-``RAY_AUTH_MODE=disabled`` unless one is already running.
+:func:`init_ray` starts a local Ray (``num_cpus`` CPUs, no dashboard,
+``RAY_AUTH_MODE=disabled``), or joins the cluster at ``address``. Actors ask Ray for one GPU
+each when the cluster has one per worker.
 """
 
 from __future__ import annotations
@@ -28,12 +57,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from gymbridge.errors import PolicyDriftError, TrainingError
 from gymbridge.trainer.grpo import (
     GradientResult,
     GRPOConfig,
@@ -49,7 +82,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DPWorker", "RayDPTrainer", "init_ray", "param_digest", "require_ray"]
+__all__ = ["DPWorker", "RayDPTrainer", "init_ray", "param_digest", "policy_shards", "require_ray"]
+
+REDUCE_BUCKET_BYTES = 64 << 20
+"""Largest flat buffer one gradient all-reduce moves."""
 
 
 def require_ray() -> Any:
@@ -64,17 +100,25 @@ def require_ray() -> Any:
     return ray
 
 
-def init_ray(num_cpus: int = 2) -> Any:
-    """Start (or reuse) a local Ray: ``num_cpus`` CPUs, no dashboard, auth disabled; returns ``ray``."""
+def init_ray(num_cpus: int = 2, *, address: str | None = None) -> Any:
+    """Start (or reuse) Ray and return ``ray``.
+
+    ``address`` (``SmokeConfig.ray_address``, e.g. ``"auto"`` or ``"ray://head:10001"``) joins an
+    existing cluster; without it a local Ray starts with ``num_cpus`` CPUs, no dashboard and
+    ``RAY_AUTH_MODE=disabled``.
+    """
     ray = require_ray()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        if address is not None:
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        else:
+            ray.init(
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=False,
+            )
     return ray
 
 
@@ -87,33 +131,149 @@ def param_digest(model: Any) -> str:
     return h.hexdigest()
 
 
+def _to_cpu(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every tensor on the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_to_cpu(v) for v in value)
+    return value
+
+
+def policy_shards(batch: TrainBatch, num_workers: int, dtype: torch.dtype) -> list[TrainBatch]:
+    """What crosses to the workers: ``batch.shard(num_workers)`` with floating media cast to ``dtype``.
+
+    ``batch`` itself is not changed (replay and the Gym's return keep their dtype).
+    """
+    return [s.cast_media(dtype) for s in batch.shard(num_workers, group_aware=True)]
+
+
 class DPWorker:
-    """The body of one Ray actor (also usable in-process): a model copy and its own trainer."""
+    """The body of one Ray actor: a policy copy, its own trainer and optimizer, one rank of the group."""
 
     def __init__(
-        self, model_factory: Callable[[], Any], state_dict: dict[str, torch.Tensor], config: GRPOConfig
+        self,
+        rank: int,
+        world_size: int,
+        model_factory: Callable[[], Any],
+        config: GRPOConfig,
+        dtype: torch.dtype,
     ) -> None:
         torch.set_num_threads(1)
-        model = model_factory()
-        model.load_state_dict(state_dict)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        model = model_factory().to(device=self.device, dtype=dtype)
         self.trainer = GRPOTrainer(model, config)
+        self._grads: list[torch.Tensor] | None = None
 
-    def compute(self, shard: TrainBatch, total_loss_tokens: int) -> GradientResult:
-        return self.trainer.compute_gradients(shard, total_loss_tokens=total_loss_tokens)
+    # ------------------------------------------------------------------ the group
 
-    def apply(self, grads: list[torch.Tensor]) -> None:
-        for p, g in zip(self.trainer.params, grads, strict=True):
-            p.grad = g.clone()
-        self.trainer.optimizer.step()
-        self.trainer.optimizer.zero_grad(set_to_none=True)
-        self.trainer.steps += 1
+    def node_address(self) -> str:
+        import ray
+
+        return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # ray ships it untyped
+
+    def free_port(self, host: str) -> int:
+        """A free TCP port on ``host`` for the group's store (rank 0 hosts it)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            return int(s.getsockname()[1])
+
+    def join(self, host: str, port: int, backend: str, timeout_s: float) -> str:
+        """Join the DP group at ``tcp://host:port`` as this worker's rank; returns the backend."""
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        return str(dist.get_backend())
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Weights, optimizer state and step count (the driver's: at start and after a resume)."""
+        self.trainer.model.load_state_dict(state["model"])
+        if state["optimizer"]["state"]:
+            self.trainer.optimizer.load_state_dict(state["optimizer"])
+        else:  # a fresh driver optimizer: a fresh one here too (no momentum left from before)
+            self.trainer = GRPOTrainer(self.trainer.model, self.trainer.config)
+        self.trainer.steps = int(state["steps"])
+        self._grads = None
+
+    def optimizer_state(self) -> dict[str, Any]:
+        return dict(_to_cpu(self.trainer.optimizer.state_dict()))
 
     def digest(self) -> str:
         return param_digest(self.trainer.model)
 
+    # ------------------------------------------------------------------ a step
+
+    def compute(self, shard: TrainBatch, total_loss_tokens: int) -> GradientResult | None:
+        """This shard's gradients, all-reduced over the group; returns metrics only (no gradients).
+
+        ``None``: a peer's shard failed (that worker raises); nothing is kept.
+        """
+        import torch.distributed as dist
+
+        from gymbridge.generation.weights import bucket_tensors, plan_buckets, unbucket
+
+        self._grads = None
+        error: BaseException | None = None
+        result: GradientResult | None = None
+        try:
+            result = self.trainer.compute_gradients(shard, total_loss_tokens=total_loss_tokens)
+        except Exception as exc:  # told to the peers first, raised below
+            error = exc
+        failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
+        dist.all_reduce(failed)
+        if float(failed) > 0 or result is None:
+            if error is not None:
+                raise error
+            return None
+        grads = result.grads
+        named = [(str(i), g) for i, g in enumerate(grads)]
+        for bucket in plan_buckets(named, REDUCE_BUCKET_BYTES):
+            flat = bucket_tensors(bucket, [grads[int(s.name)] for s in bucket.specs], self.device)
+            dist.all_reduce(flat)
+            for spec, view in unbucket(bucket, flat):
+                grads[int(spec.name)].copy_(view)
+        self._grads = grads
+        return replace(result, grads=[])
+
+    def discard(self) -> None:
+        """Drop the reduced gradients (the driver's drift guard refused the step)."""
+        self._grads = None
+
+    def apply(self, send_weights: bool) -> tuple[float, dict[str, torch.Tensor] | None]:
+        """Clip and step with the reduced gradients; returns the pre-clip norm and, if asked, the weights."""
+        if self._grads is None:
+            raise TrainingError(f"DP worker {self.rank}: apply() without reduced gradients")
+        norm = self.trainer.apply_gradients(self._grads)
+        self._grads = None
+        weights = dict(_to_cpu(self.trainer.model.state_dict())) if send_weights else None
+        return norm, weights
+
 
 class RayDPTrainer:
-    """GRPO steps split over ``num_workers`` Ray actors; see the module docstring."""
+    """GRPO steps over ``num_workers`` Ray actors in one torch.distributed group; see the module docstring.
+
+    ``trainer`` is the driver's: its policy is the one published to the generator (rank 0's
+    weights after every step) and its weights, optimizer state and step count seed the workers.
+    ``num_gpus``: GPUs per actor (``None``: 1 when the cluster has one per worker, else 0).
+    """
 
     def __init__(
         self,
@@ -123,6 +283,8 @@ class RayDPTrainer:
         *,
         meter: PayloadMeter | None = None,
         worker_num_cpus: float = 1.0,
+        num_gpus: float | None = None,
+        timeout_s: float = 300.0,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
@@ -133,32 +295,83 @@ class RayDPTrainer:
         self.trainer = trainer
         self.num_workers = num_workers
         self.meter = meter
-        state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-        state_ref = ray.put(state)
-        actor = ray.remote(DPWorker).options(num_cpus=worker_num_cpus)
-        self.workers = [actor.remote(model_factory, state_ref, trainer.config) for _ in range(num_workers)]
-        logger.info("started %d Ray DP worker(s)", num_workers)
+        if num_gpus is None:
+            num_gpus = 1.0 if float(ray.cluster_resources().get("GPU", 0.0)) >= num_workers else 0.0
+        self.num_gpus = num_gpus
+        self.dtype = next(trainer.model.parameters()).dtype
+        actor = ray.remote(DPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
+        self.workers = [
+            actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype)
+            for rank in range(num_workers)
+        ]
+        nodes = ray.get([w.node_address.remote() for w in self.workers])
+        host = "127.0.0.1" if len(set(nodes)) == 1 else str(nodes[0])
+        port = ray.get(self.workers[0].free_port.remote(host))
+        backend = "nccl" if num_gpus > 0 and torch.distributed.is_nccl_available() else "gloo"
+        joined = ray.get([w.join.remote(host, port, backend, timeout_s) for w in self.workers])
+        self.backend: str = joined[0]
+        self.last_shard_tokens: list[int] = []
+        """Sequence tokens of each worker's shard in the latest step."""
+        self.last_media_dtypes: dict[str, str] = {}
+        """The dtype of each media key as the latest step's shards crossed to the workers."""
+        self.last_weights_s = 0.0
+        """Seconds of the latest step from "apply" until the driver held rank 0's new weights."""
+        self.sync_workers()
+        logger.info("started %d Ray DP worker(s), %s group at %s:%d", num_workers, self.backend, host, port)
+
+    def sync_workers(self) -> None:
+        """Give every worker the driver's weights, optimizer state and step count."""
+        state = {
+            "model": {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()},
+            "optimizer": _to_cpu(self.trainer.optimizer.state_dict()),
+            "steps": self.trainer.steps,
+        }
+        ref = self.ray.put(state)
+        self.ray.get([w.load.remote(ref) for w in self.workers])
+
+    def pull_optimizer_state(self) -> None:
+        """Load rank 0's optimizer state into the driver's (every worker's is the same): for checkpoints.
+
+        The driver's weights already are rank 0's (loaded after every step).
+        """
+        self.trainer.optimizer.load_state_dict(self.ray.get(self.workers[0].optimizer_state.remote()))
 
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
-        shards = batch.shard(self.num_workers, group_aware=True)
+        shards = policy_shards(batch, self.num_workers, self.dtype)
+        self.last_shard_tokens = [s.num_tokens for s in shards]
+        self.last_media_dtypes = {
+            k: str(v.dtype).removeprefix("torch.")
+            for s in shards
+            for k, v in s.media.items()
+            if v.num_segments
+        }
         if self.meter is not None:
             for i, shard in enumerate(shards):
                 self.meter.record("policy_shard", shard, shard=i)
         total = int(batch.loss_mask.sum())
-        if total == 0:  # no learning signal: driver and workers all skip, weights stay identical
+        if total == 0:  # no learning signal: no worker steps, weights stay identical
             log_skipped_step(batch)
             return summarize(batch, [], 0.0, time.perf_counter() - started)
-        parts: list[GradientResult] = self.ray.get(
-            [w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)]
-        )
+        got = self.ray.get([w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)])
+        parts: list[GradientResult] = [p for p in got if p is not None]
+        if len(parts) != len(got):  # a failing worker raises; reaching here means one returned early
+            raise TrainingError("a DP worker dropped its gradients without an error")
         lead = next((p for p in parts if p.loss_tokens), None)
         if lead is not None:
-            self.trainer.check_drift(lead)  # before the driver or any worker moves
-        grads = [torch.stack(gs).sum(dim=0) for gs in zip(*(p.grads for p in parts), strict=True)]
-        norm = self.trainer.apply_gradients(grads)  # clips grads in place
-        grads_ref = self.ray.put(grads)
-        self.ray.get([w.apply.remote(grads_ref) for w in self.workers])
+            try:
+                self.trainer.check_drift(lead)  # before any worker moves
+            except PolicyDriftError:
+                self.ray.get([w.discard.remote() for w in self.workers])
+                raise
+        applied = time.perf_counter()
+        outs = self.ray.get([w.apply.remote(rank == 0) for rank, w in enumerate(self.workers)])
+        norm, weights = outs[0]
+        assert weights is not None
+        with torch.no_grad():
+            self.trainer.model.load_state_dict(weights)
+        self.last_weights_s = time.perf_counter() - applied
+        self.trainer.steps += 1
         return summarize(batch, parts, norm, time.perf_counter() - started)
 
     def param_digests(self) -> list[str]:
@@ -166,6 +379,11 @@ class RayDPTrainer:
         return [param_digest(self.trainer.model), *self.ray.get([w.digest.remote() for w in self.workers])]
 
     def shutdown(self) -> None:
+        if self.workers:
+            try:
+                self.ray.get([w.close.remote() for w in self.workers], timeout=30)
+            except Exception:  # a dead actor: killed below anyway
+                logger.debug("closing the DP group failed", exc_info=True)
         for w in self.workers:
             self.ray.kill(w)
         self.workers = []

@@ -12,8 +12,9 @@ On local defaults (``configs/smoke.yaml``) it
    child process instead (:mod:`gymbridge.trainer.placement`);
 3. runs ``steps`` GRPO steps: the :class:`~gymbridge.bridge.BridgeIterator` collects
    ``prompts_per_step`` x ``group_size`` rollouts, then the
-   :class:`~gymbridge.trainer.GRPOTrainer` (or :class:`~gymbridge.trainer.RayDPTrainer` with
-   ``dp_workers > 0``) updates the policy and publishes it to the generator, which holds a
+   :class:`~gymbridge.trainer.GRPOTrainer` (or, with ``dp_workers > 0``, the
+   :class:`~gymbridge.trainer.RayDPTrainer`'s Ray actors in one torch.distributed group, whose
+   rank 0 hands back the new weights) updates the policy and publishes it to the generator, which holds a
    model of its own, as the next policy version (a copy in process, a torch.distributed
    broadcast to a child process); the drift guard fails the run if the next step's ratio
    says the generator did not get it;
@@ -71,6 +72,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 import orjson
+import torch
 from pydantic import AliasChoices, Field, field_validator, model_validator
 
 from gymbridge.bridge.shaping import ShapingConfig
@@ -144,8 +146,12 @@ class SmokeConfig(StrictModel):
     dedup: bool = True
     payload_metrics: bool = True
     dp_workers: int = Field(0, ge=0)
-    """0: train in this process; N: N Ray actors (the ``ray`` extra)."""
+    """0: train in this process; N: N Ray actors in one torch.distributed group (the ``ray`` extra;
+    :mod:`gymbridge.trainer.ray_dp`)."""
     ray_num_cpus: int = Field(2, ge=1)
+    """CPUs of the local Ray this launcher starts (not used with ``ray_address``)."""
+    ray_address: str | None = None
+    """Join this Ray cluster (``ray.init(address=...)``, e.g. ``auto``) instead of starting a local one."""
     replay_capacity_groups: int = Field(0, ge=0)
     """> 0: keep a replay buffer (saved in every run checkpoint)."""
     run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
@@ -183,6 +189,12 @@ class SmokeConfig(StrictModel):
         if self.min_group_size is not None and self.min_group_size > self.group_size:
             raise ValueError(
                 f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size})"
+            )
+        if self.trainer.dtype != "float32" and self.generator.placement == "process":
+            raise ValueError(
+                f"trainer.dtype={self.trainer.dtype} with generator.placement=process: the model server "
+                "process builds its model in float32, so the published weights would not fit it; "
+                "use generator.placement=in_process (its generator is built in the trainer's dtype)"
             )
         return self
 
@@ -330,6 +342,24 @@ def _step_line(
     )
 
 
+def _policy_in_dtype(factory: Callable[[int], Any], dtype: torch.dtype, seed: int) -> Any:
+    """``factory(seed)`` cast to ``dtype`` (the in-process generator's model, in the trainer's dtype)."""
+    return factory(seed).to(dtype)
+
+
+def _dp_keys(dp: Any) -> dict[str, Any]:
+    """The ``metrics.jsonl`` keys of a data-parallel step (none without DP)."""
+    if dp is None:
+        return {}
+    return {
+        "dp_backend": dp.backend,
+        "dp_world_size": dp.num_workers,
+        "dp_shard_tokens": list(dp.last_shard_tokens),
+        "dp_media_dtypes": dict(dp.last_media_dtypes),
+        "dp_weights_s": dp.last_weights_s,
+    }
+
+
 def _sync_text(m: StepMetrics) -> str:
     """``  -> v3 (sync 0.021s)``: the version published after the step and what it cost."""
     if m.policy_version is None:
@@ -381,6 +411,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             f"tokens made of {shaping.chars!r} ({len(shaping.token_ids)} token ids)",
             file=out,
         )
+    dtype = cfg.trainer.torch_dtype
+    if resume:  # the checkpoint holds weights and optimizer state in the trainer's dtype
+        policy.to(dtype)
     # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
     trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.rollout.max_staleness == 0)
     step_trainer: Any = trainer
@@ -416,6 +449,9 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 f"loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)",
                 file=out,
             )
+        policy.to(dtype)  # in place (the optimizer's parameters stay the same objects; no state yet)
+    if dtype != torch.float32:
+        print(f"policy dtype: {cfg.trainer.dtype} (trainer and generator)", file=out)
     version = state.policy_version if state is not None else 0
 
     async with contextlib.AsyncExitStack() as stack:
@@ -432,7 +468,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             default_max_tokens=cfg.max_tokens,
             prompt_seed=cfg.seed if cfg.reproducible and not cfg.native else None,
             model_name=tiny.name,
-            policy_factory=tiny.policy_factory,
+            policy_factory=functools.partial(_policy_in_dtype, tiny.policy_factory, dtype),
             serve_flag=tiny.serve_flag,
             log_dir=run.path,
         )
@@ -474,6 +510,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         sync_s = await asyncio.to_thread(handle.publish, policy, version)
         print(_placement_line(handle, sync_s), file=out)
 
+        dp: Any = None
         if cfg.dp_workers > 0:
             from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
 
@@ -482,15 +519,21 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             except ImportError as exc:
                 raise ConfigError([f"dp_workers={cfg.dp_workers}: {exc}"]) from exc
             if not ray.is_initialized():
-                init_ray(cfg.ray_num_cpus)
+                init_ray(cfg.ray_num_cpus, address=cfg.ray_address)
                 stack.callback(ray.shutdown)  # ours: stopped after the workers (LIFO)
-            step_trainer = RayDPTrainer(
+            dp = step_trainer = RayDPTrainer(
                 trainer,
                 functools.partial(from_config, type(policy), policy.config),
                 cfg.dp_workers,
                 meter=meter,
             )
             stack.callback(step_trainer.shutdown)
+            print(
+                f"data parallel: {cfg.dp_workers} Ray worker(s) in one torch.distributed group "
+                f"({dp.backend}, {dp.num_gpus:g} GPU each); gradients all-reduced in the group, "
+                "rank 0's weights published",
+                file=out,
+            )
         bridge = BridgeIterator(
             dataset,
             source,
@@ -555,6 +598,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 env_reward_mean=env_mean,
                 shaping_reward_mean=bonus_mean,
                 media_tensors=done.batch.media_keys(),
+                **_dp_keys(dp),
             )
             run.append_metrics(record)
             result.records.append(record)
@@ -572,6 +616,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
             print(line + _media_summary(done.batch), file=out, flush=True)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
+                if dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
+                    await asyncio.to_thread(dp.pull_optimizer_state)
                 await asyncio.to_thread(
                     save_checkpoint,
                     run.checkpoints_path,
@@ -637,8 +683,6 @@ def run_smoke(
         raise ConfigError(
             [f"run_dir {path} already holds a run: continue it with --resume {path} or pick another run_dir"]
         )
-    if cfg.checkpoint_every and cfg.dp_workers:
-        raise ConfigError(["checkpoint_every with dp_workers > 0: Ray DP runs cannot be checkpointed yet"])
     run = RunDir.create(path)
     cfg = cfg.model_copy(update={"run_dir": str(path)})
     if not resume:

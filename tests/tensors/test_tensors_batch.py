@@ -185,7 +185,7 @@ def test_cat_renumber_keeps_separately_built_groups_apart(tiny: TinyVLM, proc: M
     joined = TrainBatch.cat(parts, renumber=True)
     assert joined.group_ids.tolist() == [0] * G + [1] * G + [2] * G
     assert joined.sample_ids.tolist() == list(range(3 * G))
-    assert [set(s.group_ids.tolist()) for s in joined.shard(3)] == [{0}, {1}, {2}]
+    assert [sorted(set(s.group_ids.tolist())) for s in joined.shard(2)] == [[1], [0, 2]]  # groups whole
     whole = TrainBatch.from_trajectories(trajs, proc, group_size=G)
     assert torch.equal(joined.group_ids, whole.group_ids)
     assert torch.allclose(joined.advantages, whole.advantages)
@@ -193,25 +193,33 @@ def test_cat_renumber_keeps_separately_built_groups_apart(tiny: TinyVLM, proc: M
     assert TrainBatch.cat(parts).group_ids.tolist() == [0] * (3 * G)  # default: ids kept as they are
 
 
-def test_shard_is_group_aware_and_reinterns(tiny: TinyVLM, proc: MediaProcessor) -> None:
+def test_shard_is_group_aware_balances_tokens_and_reinterns(tiny: TinyVLM, proc: MediaProcessor) -> None:
     trajs = mixed_batch(tiny, G)
     batch = TrainBatch.from_trajectories(trajs, proc, group_size=G)
-    shards = batch.shard(3)
-    assert [len(s) for s in shards] == [G, G, G]
-    assert [set(s.group_ids.tolist()) for s in shards] == [{0}, {1}, {2}]
-    assert shards[0].media["pixel_values"].num_segments == 1  # shard holds only what it references
-    assert shards[2].media["pixel_values"].num_segments == 0
-    # uneven groups: 2 + 4 + 2 rows into 2 shards of 4 -> the 4-group alone, the two 2-groups together
-    rows = [0, 1, G, G + 1, G + 2, G + 3, 2 * G, 2 * G + 1]
-    uneven = batch.select(rows)
-    halves = uneven.shard(2)
-    assert sorted(sorted(set(h.group_ids.tolist())) for h in halves) == [[0, 2], [1]]
-    # sizes that cannot keep groups whole still give balanced shards, no row lost
+    per_group = {g: int(batch.lengths[batch.group_ids == g].sum()) for g in range(3)}
+    assert per_group == {0: 88, 1: 144, 2: 32}  # rows of 22, 36 and 8 tokens
+    halves = batch.shard(2)
+    # by rows it would be 6 + 6 (a group split); by tokens whole groups give 144 vs 120
+    assert [sorted(set(h.group_ids.tolist())) for h in halves] == [[1], [0, 2]]
+    assert [int(h.lengths.sum()) for h in halves] == [144, 120]
+    assert [len(h) for h in halves] == [G, 2 * G]
+    # each shard holds only what it references: group 1's shared tool image + 4 unique ones; group 0's one
+    assert [h.media["pixel_values"].num_segments for h in halves] == [5, 1]
+    only_text = batch.select([8, 9, 10, 11]).shard(2)
+    assert [s.media["pixel_values"].num_segments for s in only_text] == [0, 0]
+    # three shards: group 1 (144 tokens, over the 88 target) is the only one split
+    thirds = batch.shard(3)
+    loads = [int(s.lengths.sum()) for s in thirds]
+    assert sum(loads) == 264 and max(loads) - min(loads) <= 36  # within one row of the longest length
+    split = [g for g in range(3) if sum(g in set(s.group_ids.tolist()) for s in thirds) > 1]
+    assert split == [1]
+    # sizes that cannot keep groups whole: no row lost, none twice
     odd = batch.shard(5)
-    assert sorted(len(s) for s in odd) == [2, 2, 2, 3, 3]
     assert sorted(torch.cat([s.sample_ids for s in odd]).tolist()) == list(range(len(batch)))
+    many = batch.shard(20)  # more shards than rows: some are empty, none holds more than a long row
+    assert sum(len(s) for s in many) == len(batch) and max(int(s.lengths.sum()) for s in many) == 36
     flat = batch.shard(2, group_aware=False)
-    assert flat[0].sample_ids.tolist() == list(range(len(batch) // 2))
+    assert sorted(int(s.lengths.sum()) for s in flat) == [132, 132]
 
 
 def test_micro_batches_respect_the_token_budget(batch: TrainBatch) -> None:
@@ -267,6 +275,18 @@ def test_to_and_cast_media(batch: TrainBatch) -> None:
     assert bf.media["image_grid_thw"].provenance == batch.media["image_grid_thw"].provenance
     assert batch.media["pixel_values"].dtype == torch.float32  # original untouched
     assert bf.media_physical_nbytes < batch.media_physical_nbytes
+
+
+def test_regression_cast_media_keeps_video_timing_float32(batch: TrainBatch) -> None:
+    """The suffix rule cast ``video_second_per_grid`` (float seconds, no listed suffix) to bf16."""
+    from dataclasses import replace
+
+    timing = replace(batch, media={**batch.media, "video_second_per_grid": batch.media["pixel_values"]})
+    bf = timing.cast_media(torch.bfloat16)
+    assert bf.media["video_second_per_grid"].dtype == torch.float32
+    assert bf.media["pixel_values"].dtype == torch.bfloat16
+    unlisted = replace(batch, media={**batch.media, "some_new_key": batch.media["pixel_values"]})
+    assert unlisted.cast_media(torch.bfloat16).media["some_new_key"].dtype == torch.float32
 
 
 def test_regression_shared_media_never_mutated_in_place(batch: TrainBatch) -> None:

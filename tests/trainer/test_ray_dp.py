@@ -1,6 +1,8 @@
-"""Ray DP workers: deduplicated shards across the Ray boundary, exact summed gradients, identical weights.
+"""Ray DP workers in one torch.distributed group: parity with one process, dedup across Ray, the drift guard.
 
-One module-scoped local Ray (2 CPUs, no dashboard) and one pair of actors serve every test.
+One module-scoped local Ray (2 CPUs, no dashboard) and two DP trainers over it (1 and 2 workers,
+half a CPU each) serve every test; each test starts both from the seed-0 weights and fresh
+optimizers (``sync_workers``).
 """
 
 from __future__ import annotations
@@ -8,6 +10,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -26,10 +29,16 @@ from gymbridge.trainer import (
     require_ray,
     tiny_policy,
 )
+from gymbridge.trainer.ray_dp import policy_shards
 
 pytestmark = pytest.mark.integration
 
-CONFIG = GRPOConfig(lr=1e-3)
+# two rows per micro-batch: every worker accumulates over micro-batches before the reduction
+# Media materialised per reference (encoder_dedup off): the bit-identity of dedup on vs off below holds
+# for transport; encoding a shared image once sums its rows' encoder gradients in another order (equal
+# within fp32 tolerance, tests/trainer/test_encoder_dedup.py), so losses after an update differ in the
+# last bits. The DP launcher test (test_smoke_dp.py) runs the encoder dedup default through the workers.
+CONFIG = GRPOConfig(lr=1e-3, micro_batch_max_tokens=40, encoder_dedup=False)
 
 
 def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,49 +53,83 @@ def batch() -> TrainBatch:
 
 
 @pytest.fixture(scope="module")
-def dp(batch: TrainBatch) -> Iterator[tuple[RayDPTrainer, PayloadMeter, Any]]:
+def cluster() -> Iterator[tuple[dict[int, RayDPTrainer], PayloadMeter, Any]]:
     pytest.importorskip("ray")
     from gymbridge.trainer import init_ray
 
     ray = init_ray(num_cpus=2)
     model = tiny_policy(0)
     meter = PayloadMeter(enabled=True)
-    trainer = RayDPTrainer(
-        GRPOTrainer(model, CONFIG, on_policy=False),  # the tests step one batch twice, on purpose
-        functools.partial(from_config, type(model), model.config),
-        2,
-        meter=meter,
-    )
+    factory = functools.partial(from_config, type(model), model.config)
+    trainers = {
+        n: RayDPTrainer(fresh(), factory, n, meter=meter if n == 2 else None, worker_num_cpus=0.5)
+        for n in (1, 2)
+    }
     try:
-        yield trainer, meter, ray
+        yield trainers, meter, ray
     finally:
-        trainer.shutdown()
+        for t in trainers.values():
+            t.shutdown()
         ray.shutdown()
 
 
-def test_dp_step_equals_a_single_process_step_and_weights_stay_identical(
-    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+def fresh() -> GRPOTrainer:
+    # the tests step one batch several times on purpose: off-policy, no drift guard
+    return GRPOTrainer(tiny_policy(0), CONFIG, on_policy=False)
+
+
+def reset(dp: RayDPTrainer) -> RayDPTrainer:
+    dp.trainer = fresh()
+    dp.sync_workers()
+    return dp
+
+
+def test_dp_0_1_2_give_the_same_loss_and_grad_norm_over_three_steps(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
 ) -> None:
-    trainer, _meter, _ = dp
-    local = GRPOTrainer(tiny_policy(0), CONFIG, on_policy=False)
+    trainers, _meter, _ = cluster
+    local = fresh()
     fixed = with_current_logprobs(local.model, batch)
-    assert trainer.param_digests()[0] == param_digest(local.model)
-    for _ in range(2):
-        got = trainer.step(fixed)
+    dp1, dp2 = reset(trainers[1]), reset(trainers[2])
+    assert dp2.backend == "gloo" and dp2.num_gpus == 0
+    for _ in range(3):
         want = local.step(fixed)
-        assert got.loss == pytest.approx(want.loss, abs=1e-6)
-        assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
-    for (name, p), q in zip(trainer.trainer.model.named_parameters(), local.model.parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
-    digests = trainer.param_digests()
-    assert len(digests) == 3 and len(set(digests)) == 1, digests  # driver + 2 workers, bit-identical
-    assert digests[0] != param_digest(tiny_policy(0))  # and they did train
+        assert want.grad_norm > 1e-3 and want.num_loss_tokens > 0  # a real update each step
+        for dp in (dp1, dp2):
+            got = dp.step(fixed)
+            assert abs(got.loss - want.loss) <= 1e-6, (dp.num_workers, got.loss, want.loss)
+            assert abs(got.grad_norm - want.grad_norm) <= 1e-6, (dp.num_workers, got.grad_norm)
+            assert got.num_loss_tokens == want.num_loss_tokens
+    for dp in (dp1, dp2):
+        digests = dp.param_digests()
+        assert len(digests) == dp.num_workers + 1 and len(set(digests)) == 1, digests  # driver == every rank
+        for (name, p), q in zip(dp.trainer.model.named_parameters(), local.model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5, msg=name)
+    assert param_digest(dp2.trainer.model) != param_digest(tiny_policy(0))  # and they did train
+
+
+def test_dedup_on_and_off_give_bit_identical_losses(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    trainers, meter, _ = cluster
+    copies = with_current_logprobs(tiny_policy(0), make_batch(build_tiny_vlm(0), dedup=False))
+    shared = replace(copies, media=batch.media)  # the same rows, media deduplicated
+    runs: list[list[tuple[float, float]]] = []
+    sent: list[int] = []
+    for b in (shared, copies):
+        dp = reset(trainers[2])
+        meter.reset()
+        runs.append([(m.loss, m.grad_norm) for m in (dp.step(b) for _ in range(2))])
+        sent.append(meter.report()["policy_shard"].physical_media_bytes)
+    assert runs[0] == runs[1]  # bit-identical
+    assert sent[0] * 4 == sent[1]  # 4 rollouts per image: dedup sends each once
 
 
 def test_policy_shards_stay_deduplicated_across_ray(
-    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
 ) -> None:
-    trainer, meter, ray = dp
+    trainers, meter, ray = cluster
+    trainer = reset(trainers[2])
     meter.reset()
     shards = batch.shard(2, group_aware=True)
     trainer.step(batch)
@@ -101,15 +144,31 @@ def test_policy_shards_stay_deduplicated_across_ray(
     assert back.media["pixel_values"].num_segments == 1
     assert back.media["pixel_values"].provenance == shards[0].media["pixel_values"].provenance
     assert report.max_shard_bytes < batch.media_logical_nbytes / 2
+    assert trainer.last_shard_tokens == [s.num_tokens for s in shards]
+
+
+def test_policy_shards_cast_floating_media_only_and_leave_the_batch_alone(batch: TrainBatch) -> None:
+    meter = PayloadMeter(enabled=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        meter.reset()
+        for i, s in enumerate(policy_shards(batch, 2, dtype)):
+            assert s.media["pixel_values"].dtype == dtype
+            assert s.media["image_grid_thw"].dtype == torch.int64  # metadata never cast
+            meter.record("policy_shard", s, shard=i)
+        if dtype == torch.float32:
+            full = meter.report()["policy_shard"].physical_media_bytes
+    half = meter.report()["policy_shard"].physical_media_bytes
+    grid = sum(s.media["image_grid_thw"].physical_nbytes for s in batch.shard(2))
+    assert half - grid == (full - grid) // 2  # the pixels cross in half the bytes
+    assert batch.media["pixel_values"].dtype == torch.float32  # replay / the Gym return keep theirs
 
 
 def test_regression_dp_step_without_loss_tokens_moves_no_weights(
-    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
 ) -> None:
     """A fully masked batch used to step every optimizer (momentum moved the weights)."""
-    from dataclasses import replace
-
-    trainer, _meter, _ = dp
+    trainers, _meter, _ = cluster
+    trainer = reset(trainers[2])
     trainer.step(batch)  # the optimizers now hold momentum
     before = trainer.param_digests()
     masked = replace(batch, loss_mask=torch.zeros_like(batch.loss_mask))
@@ -119,17 +178,76 @@ def test_regression_dp_step_without_loss_tokens_moves_no_weights(
 
 
 def test_dp_drift_guard_fails_before_any_worker_moves(
-    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
 ) -> None:
     from gymbridge.errors import PolicyDriftError
 
-    trainer, _meter, _ = dp
+    trainers, _meter, _ = cluster
+    trainer = reset(trainers[2])
     stale = with_current_logprobs(tiny_policy(1), batch)  # logprobs of another model's weights
     before = trainer.param_digests()
     trainer.trainer.on_policy = True
-    try:
-        with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's"):
-            trainer.step(stale)
-    finally:
-        trainer.trainer.on_policy = False
+    with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's"):
+        trainer.step(stale)
     assert trainer.param_digests() == before
+    trainer.trainer.on_policy = False
+    trainer.step(with_current_logprobs(tiny_policy(0), batch))  # the group still works after a refusal
+    assert len(set(trainer.param_digests())) == 1
+
+
+def test_a_failing_shard_raises_its_error_and_the_group_survives(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """A worker's bad shard must not leave its peer waiting on an all-reduce that never comes."""
+    from gymbridge.errors import TrajectoryError
+
+    trainers, _meter, _ = cluster
+    trainer = reset(trainers[2])
+    ids = batch.input_ids.clone()
+    ids[0, ids[0] == build_tiny_vlm(0).image_token_id] = 45  # row 0 loses its image placeholders
+    bad = replace(batch, input_ids=ids)
+    before = trainer.param_digests()
+    with pytest.raises(TrajectoryError, match="placeholder"):
+        trainer.step(bad)
+    assert trainer.param_digests() == before
+    trainer.step(batch)
+    assert len(set(trainer.param_digests())) == 1
+
+
+def test_ray_address_joins_an_existing_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``init_ray(address=...)`` (``ray_address`` in the launcher config) joins, never starts a local Ray."""
+    ray = pytest.importorskip("ray")
+    from gymbridge.trainer import init_ray
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    init_ray(4, address="ray://head.example:10001")
+    init_ray(3)
+    assert calls[0]["address"] == "ray://head.example:10001" and "num_cpus" not in calls[0]
+    assert calls[1]["num_cpus"] == 3 and "address" not in calls[1]
+
+
+def test_a_checkpointed_dp_state_resumes_bit_identically(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """What the launcher checkpoints (the driver's weights + rank 0's optimizer state) resumes exactly."""
+    import copy
+
+    trainers, _meter, _ = cluster
+    dp = reset(trainers[2])
+    dp.step(batch)
+    assert not dp.trainer.optimizer.state  # the driver never steps: its AdamW is blank until pulled
+    dp.pull_optimizer_state()
+    saved = copy.deepcopy((dp.trainer.model.state_dict(), dp.trainer.optimizer.state_dict()))
+    went_on = dp.step(batch)
+    after = dp.param_digests()
+    resumed = fresh()  # a new process: fresh model, then the checkpoint's state
+    resumed.model.load_state_dict(saved[0])
+    resumed.optimizer.load_state_dict(saved[1])
+    resumed.steps = 1
+    dp.trainer = resumed
+    dp.sync_workers()
+    again = dp.step(batch)
+    assert (again.loss, again.grad_norm) == (went_on.loss, went_on.grad_norm)
+    assert dp.param_digests() == after and dp.trainer.steps == 2

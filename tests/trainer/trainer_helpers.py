@@ -42,7 +42,7 @@ def trajectory(
     return Trajectory(turns=[turn], reward=reward, task_index=task, rollout_index=rollout)
 
 
-def make_batch(tiny: TinyVLM, *, groups: int = 2, group_size: int = 4) -> TrainBatch:
+def make_batch(tiny: TinyVLM, *, groups: int = 2, group_size: int = 4, dedup: bool = True) -> TrainBatch:
     """``groups`` prompts (one image each) x ``group_size`` completions; rewards alternate 1, 0."""
     trajs = []
     for g in range(groups):
@@ -50,7 +50,9 @@ def make_batch(tiny: TinyVLM, *, groups: int = 2, group_size: int = 4) -> TrainB
         for r in range(group_size):
             gen = [60 + (r % 2), 70 + g, 80 + r, tiny.eos_token_id]
             trajs.append(trajectory(tiny, img, gen, reward=float(r % 2 == 0), task=g, rollout=r))
-    return TrainBatch.from_trajectories(trajs, MediaProcessor(tiny.processor), group_size=group_size)
+    return TrainBatch.from_trajectories(
+        trajs, MediaProcessor(tiny.processor), group_size=group_size, dedup=dedup
+    )
 
 
 def with_current_logprobs(model: torch.nn.Module, batch: TrainBatch) -> TrainBatch:
