@@ -22,7 +22,8 @@ from trainer_helpers import make_batch, with_current_logprobs
 from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, RayDPTrainer, from_config, init_ray, tiny_policy
 
-CONFIG = GRPOConfig(lr=1e-3, micro_batch_max_tokens=40)
+# encoder_dedup off: the bit-identity of dedup on vs off is one of transport (docs/dp.md)
+CONFIG = GRPOConfig(lr=1e-3, micro_batch_max_tokens=40, encoder_dedup=False)
 STEPS = 3
 
 

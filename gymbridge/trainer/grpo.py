@@ -36,12 +36,15 @@ prompt positions whose token *is* a placeholder (they are outside the loss mask)
 
 Invariants:
 
-* media are materialized only here, per micro-batch, right before the forward pass
+* media reach the model only here, per micro-batch, right before the forward pass: with
+  ``GRPOConfig.encoder_dedup`` (default) each unique item is encoded once and its output given
+  to every reference (:mod:`gymbridge.trainer.encoder`; loss and gradients as if every copy were
+  encoded), otherwise, or for a model without that hook, materialized
   (``PackedTensor.materialize`` of the micro-batch's rows, in row order: the order the
-  model consumes each modality's placeholders), and passed under the names the model's
+  model consumes each modality's placeholders); either way passed under the names the model's
   ``forward`` takes (:func:`~gymbridge.tensors.processor.forward_media_kwargs`: images,
   videos with their timing key, audio features with ``feature_attention_mask``); the text
-  ``input_ids`` / ``attention_mask`` are set last and a media key spelled like them is a
+  ``input_ids`` / ``attention_mask`` are set after every media key and one spelled like them is a
   ``TrajectoryError``, so no media mask ever replaces the text attention mask;
 * micro-batches hold at most ``micro_batch_max_tokens`` tokens per forward pass (a longer row
   runs alone); with ``sequence_packing`` each micro-batch's rows, in batch order, run as one
@@ -87,6 +90,13 @@ from pydantic import Field, model_validator
 from gymbridge.config import StrictModel
 from gymbridge.errors import PolicyDriftError, TrajectoryError
 from gymbridge.generation.types import media_special_token_ids
+from gymbridge.trainer.encoder import (
+    EncoderStats,
+    encode_unique,
+    encoder_plan,
+    encoder_refs,
+    log_fallback_once,
+)
 from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs
 
 if TYPE_CHECKING:
@@ -132,6 +142,10 @@ class GRPOConfig(StrictModel):
     is_cap: float | None = None
     """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
+    encoder_dedup: bool = True
+    """Run the media encoders once per unique item of a micro-batch and scatter their outputs to every
+    reference (:mod:`gymbridge.trainer.encoder`; same loss and gradients as encoding every copy). A model
+    without the hook falls back to the materialised path (logged; ``StepMetrics.encoder_dedup`` False)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The policy's dtype for training (the launcher builds the trainer's and the in-process
@@ -183,6 +197,13 @@ class StepMetrics:
     """Packed sequences the forward passes ran (one per micro-batch with ``sequence_packing``; else 0)."""
     padding_fraction: float = 0.0
     """Padding tokens over all tokens the forward passes ran (0 when packed)."""
+    encoder_segments: int = 0
+    """Media items the encoders ran on this step, summed over micro-batches (with ``encoder_dedup``:
+    each unique item once per micro-batch holding it; otherwise every reference)."""
+    encoder_refs: int = 0
+    """Media references (placeholder blocks) the encoder outputs filled this step, every copy counted."""
+    encoder_dedup: bool = False
+    """Every micro-batch with media encoded each unique item once (False without media)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -211,6 +232,11 @@ class GradientResult:
     """Of those, padding."""
     packed_sequences: int = 0
     """Packed sequences run (``sequence_packing``)."""
+    encoder_segments: int = 0
+    """Media items encoded over this part's micro-batches (see ``StepMetrics.encoder_segments``)."""
+    encoder_refs: int = 0
+    encoder_dedup: bool = False
+    """Every micro-batch of this part with media encoded once per unique item."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -223,12 +249,24 @@ def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
     return out
 
 
-def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
+def _forward_kwargs(
+    model: Any,
+    batch: TrainBatch,
+    *,
+    encoder_dedup: bool = False,
+    encoder_stats: EncoderStats | None = None,
+) -> dict[str, Any]:
+    """The model's forward inputs for ``batch``; with ``encoder_dedup`` the encoders run once per unique
+    item (:mod:`gymbridge.trainer.encoder`) where the model allows, else every reference is materialised."""
     from gymbridge.tensors.processor import forward_media_kwargs
 
     device = next(model.parameters()).device
     params = inspect.signature(model.forward).parameters
-    media = media_kwargs(batch)
+    plan = encoder_plan(model, batch.media) if encoder_dedup and encoder_refs(batch.media) else None
+    if isinstance(plan, str):
+        log_fallback_once(model, plan)
+        plan = None
+    media = plan.passthrough if plan is not None else media_kwargs(batch)
     try:
         named = forward_media_kwargs(media, params)
     except ValueError as exc:
@@ -253,6 +291,10 @@ def _forward_kwargs(model: Any, batch: TrainBatch) -> dict[str, Any]:
             if tid is not None and key in media:
                 types[batch.input_ids == tid] = code
         kwargs["mm_token_type_ids"] = types.to(device)
+    if plan is not None and plan.items:
+        kwargs.update(encode_unique(model, plan, kwargs["input_ids"]))
+    if encoder_stats is not None:
+        encoder_stats.add(plan, batch.media)
     return kwargs
 
 
@@ -302,6 +344,8 @@ def token_logprobs(
     temperature: float = 1.0,
     suppress_token_ids: Sequence[int] | None = None,
     packed: bool = False,
+    encoder_dedup: bool = False,
+    encoder_stats: EncoderStats | None = None,
 ) -> torch.Tensor:
     """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
 
@@ -309,11 +353,12 @@ def token_logprobs(
     The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
     model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask).
     ``packed``: the rows run as one packed sequence (:mod:`gymbridge.trainer.packing`); the
-    result is unpacked to the same ``[B, L]`` layout.
+    result is unpacked to the same ``[B, L]`` layout. ``encoder_dedup``: encode each unique
+    media item once (``GRPOConfig.encoder_dedup``); ``encoder_stats`` counts the encoder work.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
-    kwargs = _forward_kwargs(model, batch)
+    kwargs = _forward_kwargs(model, batch, encoder_dedup=encoder_dedup, encoder_stats=encoder_stats)
     rows: PackedRows | None = None
     if packed:
         kwargs, rows = packed_forward_kwargs(model, kwargs)
@@ -424,6 +469,7 @@ class GRPOTrainer:
         clipped = capped = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
         packed = cfg.sequence_packing
+        encoder = EncoderStats()
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed):
             if float(mb.loss_mask.sum()) == 0:
                 continue
@@ -433,6 +479,8 @@ class GRPOTrainer:
                 temperature=cfg.temperature,
                 suppress_token_ids=cfg.suppress_token_ids,
                 packed=packed,
+                encoder_dedup=cfg.encoder_dedup,
+                encoder_stats=encoder,
             )
             run = mb.num_tokens if packed else len(mb) * mb.seq_len
             tokens_run += run
@@ -473,6 +521,9 @@ class GRPOTrainer:
             tokens_run=tokens_run,
             padding_tokens=padding,
             packed_sequences=sequences,
+            encoder_segments=encoder.segments,
+            encoder_refs=encoder.refs,
+            encoder_dedup=encoder.deduplicated,
         )
 
     def check_drift(self, first: GradientResult) -> None:
@@ -555,4 +606,8 @@ def summarize(
         is_capped_fraction=sum(p.capped_tokens for p in parts) / max(tokens, 1),
         packed_sequences=sum(p.packed_sequences for p in parts),
         padding_fraction=sum(p.padding_tokens for p in parts) / max(sum(p.tokens_run for p in parts), 1),
+        encoder_segments=sum(p.encoder_segments for p in parts),
+        encoder_refs=sum(p.encoder_refs for p in parts),
+        encoder_dedup=any(p.encoder_refs for p in parts)
+        and all(p.encoder_dedup for p in parts if p.encoder_refs),
     )

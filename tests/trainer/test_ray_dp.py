@@ -34,7 +34,11 @@ from gymbridge.trainer.ray_dp import policy_shards
 pytestmark = pytest.mark.integration
 
 # two rows per micro-batch: every worker accumulates over micro-batches before the reduction
-CONFIG = GRPOConfig(lr=1e-3, micro_batch_max_tokens=40)
+# Media materialised per reference (encoder_dedup off): the bit-identity of dedup on vs off below holds
+# for transport; encoding a shared image once sums its rows' encoder gradients in another order (equal
+# within fp32 tolerance, tests/trainer/test_encoder_dedup.py), so losses after an update differ in the
+# last bits. The DP launcher test (test_smoke_dp.py) runs the encoder dedup default through the workers.
+CONFIG = GRPOConfig(lr=1e-3, micro_batch_max_tokens=40, encoder_dedup=False)
 
 
 def test_missing_ray_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

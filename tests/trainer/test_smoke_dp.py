@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gymbridge.trainer import smoke
+from gymbridge.launch import smoke
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +50,9 @@ def test_smoke_dp_trains_through_the_group_with_bf16_media(tmp_path: Path) -> No
         sent, built = r["payload"]["policy_shard"], r["payload"]["rollout_to_policy"]
         assert 0.45 < sent["physical_media_bytes"] / built["physical_media_bytes"] < 0.55
         assert r["num_loss_tokens"] > 0 and abs(r["ratio_mean"] - 1) < 1e-2  # the generator got v1
+        # each worker encoded its shard's image once (whole groups per shard), for every row of it
+        assert r["encoder_dedup"] and r["encoder_segments"] == len(r["media_keys"]) == 2
+        assert r["encoder_refs"] == r["num_rows"] == 8
     assert [r["policy_version"] for r in records] == [1, 2]
     import torch
 

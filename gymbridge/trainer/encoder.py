@@ -1,0 +1,316 @@
+"""Media encoders run once per unique item of a micro-batch, their outputs scattered to every reference.
+
+A GRPO group repeats one prompt G times, so a micro-batch's ``pixel_values`` ``PackedTensor``
+holds one segment per image but G references to it. Materialising it (``PackedTensor.materialize``)
+hands the model G copies and its vision tower encodes every copy: deduplication saves transport,
+not compute. This module encodes each **unique item** once and gives the model one feature block
+per reference, by index:
+
+* a modality's *item* is a column of its keys' references (``pixel_values`` + ``image_grid_thw``;
+  ``pixel_values_videos`` + ``video_grid_thw``; ``input_features`` + ``feature_attention_mask``):
+  two references are the same item when every key of the modality points them at the same
+  segment (``torch.unique`` over the stacked ``refs``, ``[K, N]`` -> ``U`` items and an
+  ``inverse`` ``[N]``), so nothing is merged that the batch's provenance did not already merge;
+* the model's own encoder (``get_image_features`` / ``get_video_features`` /
+  ``get_audio_features``) runs on the ``U`` items, one output block per item ``[n_u, H]``;
+* reference ``i`` gets block ``inverse[i]`` (the same tensor, not a copy): images and videos
+  through the model's ``mm_encoder_outputs`` input (the model concatenates the blocks and
+  ``masked_scatter`` s them into its placeholder positions, exactly as it does for features it
+  computed itself), audio by building ``inputs_embeds`` with the audio placeholder positions
+  filled the same way (the Qwen2.5-Omni thinker computes audio inside ``forward`` only from
+  ``input_features``);
+* the model still receives every reference's grid / mask / timing tensors, in row order
+  (materialised: a few integers each), for its M-RoPE positions (``get_rope_index`` walks the
+  placeholders of each row and needs one ``grid_thw`` per reference).
+
+**Gradients.** Reference ``i``'s block is ``out[inverse[i]]``: the backward of that gather adds
+the placeholder gradients of every reference into its item's block, so each encoder parameter
+receives the **sum** over the rows that share an item, which is what G separate encodings of
+identical inputs give (``d/dθ Σ_r f(g_θ(x))`` with ``g_θ(x)`` evaluated once). The invariant,
+tested for images, video and audio: loss and every parameter's gradient (vision and audio towers
+included) match the materialised path within fp32 tolerance.
+
+**When it does not run.** :func:`encoder_plan` returns the reason instead of a plan when the
+model lacks the hook for a modality present (``mm_encoder_outputs`` + ``get_<modality>_features``
+for images / video; ``inputs_embeds`` + ``get_audio_features`` + ``get_input_embeddings`` and a
+model type in :data:`AUDIO_EMBED_MODEL_TYPES` for audio), when a media key of unknown modality
+is present, or when a modality's keys disagree on their references; the caller then uses the
+materialised path (logged once per model class and reason) and reports ``encoder_dedup`` off.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gymbridge.tensors.packed import PackedTensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AUDIO_EMBED_MODEL_TYPES",
+    "ENCODER_MODALITIES",
+    "EncoderPlan",
+    "EncoderStats",
+    "ModalityItems",
+    "encode_unique",
+    "encoder_plan",
+    "encoder_refs",
+    "log_fallback_once",
+    "unique_items",
+]
+
+ENCODER_MODALITIES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "image": ("pixel_values", ("image_grid_thw",)),
+    "video": ("pixel_values_videos", ("video_grid_thw",)),
+    "audio": ("input_features", ("feature_attention_mask",)),
+}
+"""Per modality: the key the encoder consumes and the per-item keys it takes with it."""
+
+_METADATA_KEYS = frozenset({"video_second_per_grid", "second_per_grid_ts", "audio_feature_lengths"})
+"""Per-reference keys the model reads outside its encoders (timing, lengths): passed for every reference."""
+
+AUDIO_EMBED_MODEL_TYPES = frozenset({"qwen2_5_omni_thinker"})
+"""Model types whose ``forward`` encodes audio only from ``input_features`` and otherwise reads audio
+placeholders from ``inputs_embeds`` (with ``input_ids`` and ``feature_attention_mask`` still given for
+M-RoPE); read from ``modeling_qwen2_5_omni.py``. Other audio models fall back to the materialised path."""
+
+_LOGGED: set[tuple[str, str]] = set()
+
+
+@dataclass(frozen=True)
+class ModalityItems:
+    """One modality of a micro-batch: its unique items and which item each reference is."""
+
+    modality: str
+    inputs: dict[str, torch.Tensor]
+    """The encoder's inputs for the ``U`` unique items (its key and per-item keys), in item order."""
+    inverse: torch.Tensor
+    """int64 ``[N]``: the unique item of each reference, references in row order."""
+
+    @property
+    def num_items(self) -> int:
+        return int(self.inverse.max()) + 1 if self.inverse.numel() else 0
+
+    @property
+    def num_refs(self) -> int:
+        return int(self.inverse.numel())
+
+
+@dataclass(frozen=True)
+class EncoderPlan:
+    """What the deduplicated forward encodes (:func:`encoder_plan`)."""
+
+    items: tuple[ModalityItems, ...]
+    passthrough: dict[str, torch.Tensor]
+    """Every reference's non-encoder media (grids, masks, timing), materialised in row order."""
+
+    @property
+    def segments(self) -> int:
+        return sum(m.num_items for m in self.items)
+
+    @property
+    def refs(self) -> int:
+        return sum(m.num_refs for m in self.items)
+
+
+def encoder_refs(media: Mapping[str, PackedTensor]) -> int:
+    """References the encoders see in ``media`` (items of every modality, each copy counted)."""
+    return sum(media[primary].num_refs for primary, _ in ENCODER_MODALITIES.values() if primary in media)
+
+
+def unique_items(modality: str, packs: Mapping[str, PackedTensor]) -> ModalityItems | str:
+    """``modality``'s unique items over ``packs`` (its key and per-item keys), or why not.
+
+    Every key must hold one reference per item, rows alike (same ``offsets``); otherwise the
+    reason is returned and nothing is merged.
+    """
+    primary, side = ENCODER_MODALITIES[modality]
+    missing = [k for k in side if k not in packs]
+    if missing:
+        return f"{modality} key {primary!r} comes without {missing}"
+    keys = [primary, *side]
+    first = packs[primary]
+    for key in keys[1:]:
+        if not torch.equal(packs[key].offsets, first.offsets):
+            return f"{modality} keys {primary!r} and {key!r} disagree on their references per row"
+    refs = torch.stack([packs[k].refs for k in keys])  # [K, N]
+    if refs.shape[1] == 0:
+        return f"no {modality} references"
+    columns, inverse = torch.unique(refs, dim=1, return_inverse=True)  # [K, U], [N]
+    inputs: dict[str, torch.Tensor] = {}
+    for row, key in enumerate(keys):
+        pack = packs[key]
+        one_row = PackedTensor(
+            pack.segments,
+            pack.provenance,
+            torch.tensor([0, columns.shape[1]], dtype=torch.int64),
+            columns[row],
+            pack.pack_dim,
+        )
+        dense = one_row.materialize()
+        assert dense is not None  # columns is non-empty
+        inputs[key] = dense
+    return ModalityItems(modality, inputs, inverse.to(torch.int64))
+
+
+def _forward_params(model: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(model.forward).parameters)
+
+
+def _model_reason(model: Any, modality: str, params: frozenset[str]) -> str | None:
+    """Why ``model`` cannot take ``modality``'s encoder outputs from outside (``None``: it can)."""
+    getter = f"get_{modality}_features"
+    if not callable(getattr(model, getter, None)):
+        return f"{type(model).__name__} has no {getter}"
+    if modality in ("image", "video"):
+        if "mm_encoder_outputs" not in params:
+            return f"{type(model).__name__}.forward takes no mm_encoder_outputs"
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in AUDIO_EMBED_MODEL_TYPES:
+        return f"model type {model_type!r} is not known to read audio from inputs_embeds"
+    if "inputs_embeds" not in params or not callable(getattr(model, "get_input_embeddings", None)):
+        return f"{type(model).__name__}.forward takes no inputs_embeds"
+    if getattr(model.config, "audio_token_id", None) is None:
+        return f"{type(model).__name__}'s config names no audio_token_id"
+    return None
+
+
+def encoder_plan(model: Any, media: Mapping[str, PackedTensor]) -> EncoderPlan | str:
+    """The deduplicated encoding of ``media`` (one micro-batch, ``PackedTensor`` per key) for ``model``, or
+    the reason it cannot run (module docstring)."""
+    handled = {k for primary, side in ENCODER_MODALITIES.values() for k in (primary, *side)} | _METADATA_KEYS
+    unknown = sorted(k for k in media if k not in handled)
+    if unknown:
+        return f"media keys of unknown modality {unknown}"
+    params = _forward_params(model)
+    items: list[ModalityItems] = []
+    for modality, (primary, side) in ENCODER_MODALITIES.items():
+        present = {k: media[k] for k in (primary, *side) if k in media and media[k].num_refs}
+        if not present:
+            continue
+        if primary not in present:
+            continue  # grids without pixels: nothing to encode, passed through for the model to judge
+        reason = _model_reason(model, modality, params)
+        if reason is None:
+            found = unique_items(modality, present)
+            if isinstance(found, str):
+                reason = found
+            else:
+                items.append(found)
+                continue
+        return reason
+    encoded = {ENCODER_MODALITIES[m.modality][0] for m in items}
+    passthrough: dict[str, torch.Tensor] = {}
+    for key, pack in media.items():
+        dense = None if key in encoded else pack.materialize()
+        if dense is not None:
+            passthrough[key] = dense
+    return EncoderPlan(tuple(items), passthrough)
+
+
+def log_fallback_once(model: Any, reason: str) -> None:
+    """Log (once per model class and reason) that the materialised path runs instead."""
+    key = (type(model).__name__, reason)
+    if key in _LOGGED:
+        return
+    _LOGGED.add(key)
+    logger.warning("media encoded per reference (materialised path), not once per unique item: %s", reason)
+
+
+def _cast(value: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
+
+
+def encode_unique(model: Any, plan: EncoderPlan, input_ids: torch.Tensor) -> dict[str, Any]:
+    """Run ``plan``'s encoders once per unique item and scatter their outputs to every reference.
+
+    ``input_ids`` ``[B, L]`` (on the model's device) locates the audio placeholders. Returns the
+    forward inputs that replace the encoder keys: ``mm_encoder_outputs`` (images, video) and
+    ``inputs_embeds`` (audio). Differentiable: gradients of shared items are summed over their references.
+    """
+    param = next(model.parameters())
+    device, dtype = param.device, param.dtype
+    kwargs: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
+    for mod in plan.items:
+        primary, side = ENCODER_MODALITIES[mod.modality]
+        inputs = {k: _cast(v, device, dtype) for k, v in mod.inputs.items()}
+        order = mod.inverse.tolist()
+        if mod.modality in ("image", "video"):
+            grid_key = side[0]
+            out = getattr(model, f"get_{mod.modality}_features")(
+                inputs[primary], inputs[grid_key], return_dict=True
+            )
+            blocks = tuple(out.pooler_output)
+            if len(blocks) != mod.num_items:
+                raise RuntimeError(
+                    f"get_{mod.modality}_features gave {len(blocks)} outputs for {mod.num_items} items"
+                )
+            outputs[mod.modality] = type(out)(pooler_output=tuple(blocks[u] for u in order))
+            continue
+        kwargs["inputs_embeds"] = _scatter_audio(model, inputs, order, input_ids, kwargs.get("inputs_embeds"))
+    if outputs:
+        kwargs["mm_encoder_outputs"] = outputs
+    return kwargs
+
+
+def _scatter_audio(
+    model: Any,
+    inputs: dict[str, torch.Tensor],
+    order: list[int],
+    input_ids: torch.Tensor,
+    embeds: torch.Tensor | None,
+) -> torch.Tensor:
+    """``inputs_embeds`` ``[B, L, H]``: audio placeholder block ``k`` holds reference ``k``'s output."""
+    from gymbridge.tensors.processor import audio_output_length
+
+    mask = inputs["feature_attention_mask"]
+    out = model.get_audio_features(inputs["input_features"], mask, return_dict=True)
+    features = out.last_hidden_state  # [sum of output lengths, H]
+    sizes = [audio_output_length(int(f)) for f in mask.to(torch.int64).sum(dim=-1).tolist()]
+    if sum(sizes) != features.shape[0]:
+        raise RuntimeError(f"get_audio_features gave {features.shape[0]} frames, expected {sum(sizes)}")
+    blocks = torch.split(features, sizes)
+    per_ref = torch.cat([blocks[u] for u in order])
+    if embeds is None:
+        embeds = model.get_input_embeddings()(input_ids)
+    assert embeds is not None
+    where = (input_ids == model.config.audio_token_id)[..., None].expand_as(embeds)
+    return embeds.masked_scatter(where, per_ref.to(embeds.dtype))
+
+
+@dataclass
+class EncoderStats:
+    """Encoder work over the forwards it is passed to (counters; :func:`EncoderStats.add` per forward)."""
+
+    segments: int = 0
+    """Media items the encoders ran on (each unique item once per forward; every copy when materialised)."""
+    refs: int = 0
+    """References to media items (placeholder blocks filled), every copy counted."""
+    forwards_with_media: int = 0
+    deduplicated_forwards: int = 0
+    """Forwards with media whose encoders ran once per unique item."""
+
+    def add(self, plan: EncoderPlan | None, media: Mapping[str, PackedTensor]) -> None:
+        refs = encoder_refs(media)
+        if not refs:
+            return
+        self.refs += refs
+        self.forwards_with_media += 1
+        if plan is None:
+            self.segments += refs
+            return
+        self.segments += plan.segments  # a plan encodes every modality whose encoder key has references
+        self.deduplicated_forwards += 1
+
+    @property
+    def deduplicated(self) -> bool:
+        """Every forward with media ran its encoders once per unique item (False when none had media)."""
+        return self.forwards_with_media > 0 and self.deduplicated_forwards == self.forwards_with_media
