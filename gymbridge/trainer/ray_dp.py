@@ -9,7 +9,10 @@ driver's weights once. A step:
    pickled with protocol 5 by Ray, tensor storage out of band; ``PayloadMeter`` records
    each at the ``policy_shard`` boundary);
 2. every worker computes the gradients of its shard's loss divided by the **whole batch's**
-   loss-token count, so the workers' gradients sum exactly to the full-batch gradient;
+   normaliser (loss tokens, or rows for ``loss_agg: seq_mean_*``; ``mask_truncated`` applied
+   to the whole batch first), so the workers' gradients sum exactly to the full-batch gradient;
+   with ``kl_coef > 0`` each worker scores against its own frozen reference, the copy of the
+   weights it was started with;
 3. the driver sums them, clips and applies them with its optimizer, and broadcasts the
    clipped gradients (one ``ray.put``); every worker applies them with its own optimizer,
    whose state evolves identically, so the weights stay identical everywhere
@@ -40,6 +43,7 @@ from gymbridge.trainer.grpo import (
     GRPOTrainer,
     StepMetrics,
     log_skipped_step,
+    loss_rows,
     summarize,
 )
 
@@ -98,8 +102,12 @@ class DPWorker:
         model.load_state_dict(state_dict)
         self.trainer = GRPOTrainer(model, config)
 
-    def compute(self, shard: TrainBatch, total_loss_tokens: int) -> GradientResult:
-        return self.trainer.compute_gradients(shard, total_loss_tokens=total_loss_tokens)
+    def compute(
+        self, shard: TrainBatch, total_loss_tokens: int, total_loss_rows: int | None = None
+    ) -> GradientResult:
+        return self.trainer.compute_gradients(
+            shard, total_loss_tokens=total_loss_tokens, total_loss_rows=total_loss_rows
+        )
 
     def apply(self, grads: list[torch.Tensor]) -> None:
         for p, g in zip(self.trainer.params, grads, strict=True):
@@ -141,16 +149,18 @@ class RayDPTrainer:
 
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
+        batch, truncated = self.trainer.prepare(batch)  # the whole batch's loss mask, before the split
         shards = batch.shard(self.num_workers, group_aware=True)
         if self.meter is not None:
             for i, shard in enumerate(shards):
                 self.meter.record("policy_shard", shard, shard=i)
         total = int(batch.loss_mask.sum())
+        rows = loss_rows(batch.loss_mask)
         if total == 0:  # no learning signal: driver and workers all skip, weights stay identical
             log_skipped_step(batch)
-            return summarize(batch, [], 0.0, time.perf_counter() - started)
+            return summarize(batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated)
         parts: list[GradientResult] = self.ray.get(
-            [w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)]
+            [w.compute.remote(s, total, rows) for w, s in zip(self.workers, shards, strict=True)]
         )
         lead = next((p for p in parts if p.loss_tokens), None)
         if lead is not None:
@@ -159,7 +169,7 @@ class RayDPTrainer:
         norm = self.trainer.apply_gradients(grads)  # clips grads in place
         grads_ref = self.ray.put(grads)
         self.ray.get([w.apply.remote(grads_ref) for w in self.workers])
-        return summarize(batch, parts, norm, time.perf_counter() - started)
+        return summarize(batch, parts, norm, time.perf_counter() - started, truncated_masked=truncated)
 
     def param_digests(self) -> list[str]:
         """The driver's parameter digest followed by every worker's (all equal when in sync)."""
