@@ -25,6 +25,21 @@ def _even_tasks_are_solved_always(task: int, rollout: int) -> float:
     return 1.0 if task % 2 == 0 else float(rollout % 2 == 0)
 
 
+def _dynamic(
+    client: GymClient, processor: MediaProcessor, rows: int, rounds: int, **kw: object
+) -> BridgeIterator:
+    return BridgeIterator(
+        make_rows(rows),
+        GymRollouts(client),
+        processor,
+        group_size=G,
+        prompts_per_batch=2,
+        dynamic_sampling=True,
+        dynamic_sampling_max_rounds=rounds,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
 def _records(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -35,16 +50,7 @@ async def test_zero_variance_groups_are_replaced_by_new_prompts_and_recorded(
     failures = tmp_path / "failures.jsonl"
     agent = FakeAgent(tiny, _even_tasks_are_solved_always)
     async with _client(agent) as client:
-        it = BridgeIterator(
-            make_rows(8),
-            GymRollouts(client),
-            processor,
-            group_size=G,
-            prompts_per_batch=2,
-            failures_path=failures,
-            dynamic_sampling=True,
-            dynamic_sampling_max_rounds=2,
-        )
+        it = _dynamic(client, processor, 8, 2, failures_path=failures)
         first = await it.__anext__()
         dropped_first = [g.task_index for g in it.last_dropped_zero_variance]
         trained_first = [g.task_index for g in it.last_groups]
@@ -84,15 +90,7 @@ async def test_the_extra_rounds_are_bounded_then_zero_variance_groups_fill_the_b
 ) -> None:
     agent = FakeAgent(tiny, lambda task, rollout: 1.0)  # nothing ever has signal
     async with _client(agent) as client:
-        it = BridgeIterator(
-            make_rows(10),
-            GymRollouts(client),
-            processor,
-            group_size=G,
-            prompts_per_batch=2,
-            dynamic_sampling=True,
-            dynamic_sampling_max_rounds=rounds,
-        )
+        it = _dynamic(client, processor, 10, rounds)
         batch = await it.__anext__()
         await it.aclose()
     # at most rounds x prompts_per_batch groups dropped, then the batch fills (never a stall)

@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from trainer_helpers import image, trajectory, with_current_logprobs
 
 from gymbridge.errors import CheckpointError, SamplingMismatchError
@@ -24,7 +26,7 @@ from gymbridge.trainer import (
     token_logprobs,
 )
 from gymbridge.trainer.checkpoint import load_checkpoint, save_checkpoint
-from gymbridge.trainer.grpo import LossAgg, kl_estimate
+from gymbridge.trainer.grpo import LossAgg, kl_estimate, nucleus_logprobs
 from gymbridge.trajectory import GenerationInput, Trajectory, Turn, from_gym_result
 
 MODES: tuple[LossAgg, ...] = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
@@ -259,7 +261,7 @@ def test_mask_truncated_masks_rows_that_hit_the_token_limit_before_the_split(tin
     hit = {"incomplete_reason": "max_output_tokens"}
     raw = _varied_batch(tiny, metadata={1: hit, 6: hit, 2: {"incomplete_reason": "content_filter"}})
     batch = _off_policy(model, raw)
-    cfg = GRPOConfig(mask_truncated=True, micro_batch_max_tokens=40)
+    cfg = GRPOConfig(mask_truncated=True, micro_batch_max_tokens=60)
     trainer = GRPOTrainer(model, cfg, on_policy=False)
     prepared, masked = trainer.prepare(batch)
     assert masked == 2
@@ -267,7 +269,7 @@ def test_mask_truncated_masks_rows_that_hit_the_token_limit_before_the_split(tin
     assert prepared.loss_mask[2].sum() > 0  # only the token limit counts
     by_hand = batch.loss_mask.clone()
     by_hand[[1, 6]] = 0
-    want = GRPOTrainer(model, GRPOConfig(micro_batch_max_tokens=40)).compute_gradients(
+    want = GRPOTrainer(model, GRPOConfig(micro_batch_max_tokens=60)).compute_gradients(
         replace(batch, loss_mask=by_hand)
     )
     got = trainer.compute_gradients(prepared)
@@ -277,3 +279,19 @@ def test_mask_truncated_masks_rows_that_hit_the_token_limit_before_the_split(tin
     assert metrics.truncated_masked == 2 and metrics.num_loss_tokens == int(by_hand.sum())
     off = GRPOTrainer(tiny_policy(0), GRPOConfig(), on_policy=False).step(batch)
     assert off.truncated_masked == 0 and off.num_loss_tokens == int(batch.loss_mask.sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), top_p=st.floats(0.05, 0.999), scale=st.floats(0.1, 8.0))
+def test_nucleus_logprobs_equal_transformers_top_p_warper(seed: int, top_p: float, scale: float) -> None:
+    """The trainer's nucleus is the generator's: TopPLogitsWarper's renormalised logprobs, token by token."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(6, 50, generator=gen) * scale
+    logits[:, :3] = float("-inf")  # suppressed ids, as the media mask leaves them
+    warped = torch.log_softmax(TopPLogitsWarper(top_p)(None, logits), dim=-1)
+    targets = torch.multinomial(warped.exp(), 1, generator=gen)[:, 0]  # sampled: inside the nucleus
+    got, outside = nucleus_logprobs(logits, targets, top_p)
+    torch.testing.assert_close(got, warped.gather(-1, targets[:, None])[:, 0], atol=1e-6, rtol=1e-6)
+    assert not outside.any()

@@ -5,6 +5,7 @@ One module-scoped local Ray (2 CPUs, no dashboard) and one pair of actors serve 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterator
@@ -133,3 +134,29 @@ def test_dp_drift_guard_fails_before_any_worker_moves(
     finally:
         trainer.trainer.on_policy = False
     assert trainer.param_digests() == before
+
+
+def test_dp_runs_the_grpo_variants_like_a_single_process(
+    dp: tuple[RayDPTrainer, PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """KL to each worker's own frozen reference, seq-mean aggregation and mask_truncated: shards sum up."""
+    config = GRPOConfig(lr=1e-3, kl_coef=0.1, loss_agg="seq_mean_token_mean", mask_truncated=True)
+    model = tiny_policy(0)
+    factory = functools.partial(from_config, type(model), model.config)
+    trainer = RayDPTrainer(GRPOTrainer(model, config, on_policy=False), factory, 2)
+    try:
+        local = GRPOTrainer(tiny_policy(0), config, on_policy=False)
+        fixed = with_current_logprobs(local.model, batch)
+        meta = list(fixed.metadata)
+        meta[1] = {**meta[1], "incomplete_reason": "max_output_tokens"}  # one truncated rollout
+        fixed = dataclasses.replace(fixed, metadata=tuple(meta))
+        for _ in range(3):
+            got, want = trainer.step(fixed), local.step(fixed)
+            assert got.loss == pytest.approx(want.loss, abs=1e-6)
+            assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+            assert got.kl == pytest.approx(want.kl, abs=1e-7)
+            assert got.truncated_masked == want.truncated_masked == 1
+        assert want.kl > 0
+        assert len(set(trainer.param_digests())) == 1
+    finally:
+        trainer.shutdown()
