@@ -143,7 +143,8 @@ def test_dp_runs_the_grpo_variants_like_a_single_process(
     config = GRPOConfig(lr=1e-3, kl_coef=0.1, loss_agg="seq_mean_token_mean", mask_truncated=True)
     model = tiny_policy(0)
     factory = functools.partial(from_config, type(model), model.config)
-    trainer = RayDPTrainer(GRPOTrainer(model, config, on_policy=False), factory, 2)
+    # the module's two actors hold both CPUs of the local Ray: these two take none
+    trainer = RayDPTrainer(GRPOTrainer(model, config, on_policy=False), factory, 2, worker_num_cpus=0)
     try:
         local = GRPOTrainer(tiny_policy(0), config, on_policy=False)
         fixed = with_current_logprobs(local.model, batch)
