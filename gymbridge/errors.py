@@ -41,7 +41,9 @@ exceptions (``TypeError``, ``ValueError``).
     │   └── ReplayCheckpointError  a replay checkpoint cannot be used
     ├── TrainingError          the training loop cannot go on
     │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
-    │                          the trainer's (``ratio_mean``, ``tolerance``)
+    │   │                      the trainer's (``ratio_mean``, ``tolerance``)
+    │   ├── SamplingMismatchError  a rollout was sampled with another top-p than
+    │   │                      the trainer's (``rollout_top_p``, ``trainer_top_p``)
     │   ├── WeightSyncError    publishing weights to a generator failed
     │   │                      (a name / shape mismatch, a dead group, a refused route)
     │   └── GeneratorProcessError  the generator's own process did not start
@@ -76,6 +78,7 @@ __all__ = [
     "PolicyDriftError",
     "ProtocolError",
     "ReplayCheckpointError",
+    "SamplingMismatchError",
     "ServeError",
     "TrainingError",
     "TrajectoryError",
@@ -270,6 +273,35 @@ class PolicyDriftError(TrainingError):
             "in an on-policy run (rollout.max_staleness 0): the generator's weights are not the "
             "trainer's (weights not published to the generator, a generator in another process that "
             "never joined the weight sync, or a different model / seed / dtype / sampling temperature)"
+        )
+
+
+class SamplingMismatchError(TrainingError):
+    """A rollout was sampled with another top-p than the trainer scores with (a biased ratio).
+
+    ``rollout_top_p`` is what the row recorded, ``trainer_top_p`` the trainer's ``top_p``,
+    ``row`` / ``task_index`` / ``rollout_index`` name the row.
+    """
+
+    def __init__(
+        self,
+        *,
+        rollout_top_p: float,
+        trainer_top_p: float,
+        row: int,
+        task_index: Any = None,
+        rollout_index: Any = None,
+    ) -> None:
+        self.rollout_top_p = rollout_top_p
+        self.trainer_top_p = trainer_top_p
+        self.row = row
+        self.task_index = task_index
+        self.rollout_index = rollout_index
+        super().__init__(
+            f"batch row {row} (task {task_index}, rollout {rollout_index}) was sampled with "
+            f"top_p={rollout_top_p:g} but the trainer scores with trainer.top_p={trainer_top_p:g}: the "
+            "importance ratio would compare two different distributions; set trainer.top_p to the "
+            "rollouts' top_p (the launcher sends trainer.top_p to every row)"
         )
 
 

@@ -29,6 +29,7 @@ from gymbridge import errors as E
         (E.CheckpointError, E.GymbridgeError),
         (E.TrainingError, E.GymbridgeError),
         (E.PolicyDriftError, E.TrainingError),
+        (E.SamplingMismatchError, E.TrainingError),
         (E.WeightSyncError, E.TrainingError),
         (E.JsonTooDeepError, E.ProtocolError),
         (E.EnvSessionLostError, E.EnvServerError),

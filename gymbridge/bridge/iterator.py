@@ -17,7 +17,8 @@ Invariants:
   batch or a failed-group record. A rollout whose trajectory breaks the group's batch build
   (placeholder mismatch, undecodable media) is isolated and recorded on its own;
   ``stats.prompts_started == stats.groups_completed + stats.groups_failed +
-  stats.groups_dropped + stats.groups_dropped_stale`` once the iterator is drained or
+  stats.groups_dropped + stats.groups_dropped_stale + stats.groups_zero_variance_dropped``
+  once the iterator is drained or
   stopped (``groups_dropped``: completed groups of a final partial batch discarded by
   ``drop_last``, and every prompt started but not yielded when the iterator stops, by
   :class:`BridgeStalledError` or :meth:`~BridgeIterator.aclose`: completed groups not yet in
@@ -51,6 +52,15 @@ Invariants:
 * **resumable position**: :attr:`BridgeIterator.done_task_indices` are the rows whose group
   was consumed (trained, failed or dropped); ``skip_task_indices`` (a resumed run's done rows)
   are never started again. Groups in flight are not done: a resumed run starts them afresh;
+* **dynamic sampling** (DAPO, Yu et al. 2025, arXiv:2503.14476; ``dynamic_sampling=True``): a
+  completed group whose trainable rewards are all equal (zero advantages: no policy-gradient
+  signal) is not put in the batch: it is recorded (class ``zero_variance``, its rewards and
+  rollouts; ``stats.groups_zero_variance_dropped``, :attr:`BridgeIterator.last_dropped_zero_variance`)
+  and the iterator draws another prompt in its place. At most
+  ``dynamic_sampling_max_rounds x prompts_per_batch`` groups are dropped per batch (that many
+  extra rounds of prompts); once the budget is spent, further zero-variance groups are trained
+  as without dynamic sampling (a warning says so), so a batch never stalls on a task the
+  policy always or never solves;
 * ``_ng_task_index`` is the row's position in the dataset; rows are never mutated.
 
 Sync iteration (``for batch in it``) runs the async machinery on a private event loop;
@@ -84,7 +94,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BridgeIterator", "BridgeStalledError", "BridgeStats", "GroupResult", "read_rows"]
+__all__ = ["BridgeIterator", "BridgeStalledError", "BridgeStats", "GroupResult", "read_rows", "zero_variance"]
 
 
 @dataclass
@@ -102,6 +112,8 @@ class BridgeStats:
     """Completed groups whose rewards are all equal (zero advantages: no learning signal)."""
     groups_dropped_stale: int = 0
     """Groups older than ``max_staleness`` policy versions when their batch was asked for (recorded)."""
+    groups_zero_variance_dropped: int = 0
+    """Zero-variance groups dynamic sampling left out of their batch (recorded, replaced by new prompts)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
     rollouts_dropped: int = 0
@@ -159,6 +171,11 @@ def read_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Mapp
         yield row
 
 
+def zero_variance(group: GroupResult) -> bool:
+    """Whether ``group``'s trainable rollouts (not ``mask_sample``) all have the same reward."""
+    return len({t.reward for t in group.trajectories if not t.mask_sample}) <= 1
+
+
 def _rollout_of(traj: Trajectory) -> int:
     return -1 if traj.rollout_index is None else traj.rollout_index
 
@@ -193,6 +210,8 @@ class BridgeIterator:
             policy versions old when its batch is asked for is dropped as ``stale`` (module docstring).
         skip_task_indices: rows never to start (a resumed run's :attr:`done_task_indices`).
         drop_stale: drop groups over the bound (default); ``False``: pass them on (module docstring).
+        dynamic_sampling: leave zero-variance groups out and draw more prompts (module docstring).
+        dynamic_sampling_max_rounds: extra rounds of ``prompts_per_batch`` prompts a batch may draw.
     """
 
     def __init__(
@@ -219,6 +238,8 @@ class BridgeIterator:
         max_staleness: int = 0,
         skip_task_indices: Iterable[int] = (),
         drop_stale: bool = True,
+        dynamic_sampling: bool = False,
+        dynamic_sampling_max_rounds: int = 2,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -231,6 +252,8 @@ class BridgeIterator:
             raise ValueError("max_consecutive_failed_groups must be >= 1")
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if dynamic_sampling_max_rounds < 0:
+            raise ValueError(f"dynamic_sampling_max_rounds must be >= 0, got {dynamic_sampling_max_rounds}")
         self.source = source
         self.processor = processor
         self.group_size = group_size
@@ -253,6 +276,8 @@ class BridgeIterator:
         self.reward_fn = reward_fn
         self.max_staleness = max_staleness
         self.drop_stale = drop_stale
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.policy_version = 0
         """The trainer's policy version: set it before asking for a batch (staleness is measured from it)."""
         self.done_task_indices: set[int] = set()
@@ -264,6 +289,8 @@ class BridgeIterator:
         """The groups of the most recently yielded batch (rewards, trajectories, partial failures)."""
         self.last_dropped_stale: list[GroupResult] = []
         """The groups dropped as ``stale`` while the most recent batch was assembled."""
+        self.last_dropped_zero_variance: list[GroupResult] = []
+        """The zero-variance groups dynamic sampling left out of the most recent batch."""
         self._rows = enumerate(read_rows(rows))
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
@@ -558,6 +585,8 @@ class BridgeIterator:
             raise StopAsyncIteration
         groups: list[GroupResult] = []
         self.last_dropped_stale = []
+        self.last_dropped_zero_variance = []
+        zero_variance_budget = self.dynamic_sampling_max_rounds * self.prompts_per_batch
         ahead = self.max_staleness * self.prompts_per_batch
         while len(groups) < self.prompts_per_batch:
             self._start_more(self.prompts_per_batch - len(groups) + ahead)
@@ -594,17 +623,31 @@ class BridgeIterator:
                     )
                 continue
             self._consecutive_failed = 0
+            if self.dynamic_sampling and zero_variance(result):
+                if len(self.last_dropped_zero_variance) < zero_variance_budget:
+                    self._drop_zero_variance(result)
+                    self.last_dropped_zero_variance.append(result)
+                    continue  # the next pass of the loop starts a prompt in its place
+                logger.warning(
+                    "dynamic sampling: %d zero-variance group(s) dropped for this batch "
+                    "(dynamic_sampling_max_rounds=%d); training the zero-variance group of task %d",
+                    len(self.last_dropped_zero_variance),
+                    self.dynamic_sampling_max_rounds,
+                    result.task_index,
+                )
             self.stats.groups_completed += 1
             if len(result.trajectories) < self.group_size:
                 self.stats.groups_partial += 1
-            if len(set(result.rewards)) <= 1:
+            if zero_variance(result):
                 self.stats.groups_zero_variance += 1
             groups.append(result)
         if not groups or (self.drop_last and len(groups) < self.prompts_per_batch):
             for dropped in groups:
                 self._drop_group(dropped)  # before aclose: the record goes to the failures file
             await self.aclose()
-            if self.stats.groups_completed + self.stats.groups_dropped == 0 and self.stats.prompts_started:
+            s = self.stats
+            trained_or_dropped = s.groups_completed + s.groups_dropped + s.groups_zero_variance_dropped
+            if trained_or_dropped == 0 and self.stats.prompts_started:
                 raise BridgeStalledError(
                     "the dataset ended without a single completed group "
                     f"({self.stats.groups_failed} failed); "
@@ -620,6 +663,29 @@ class BridgeIterator:
         if self.replay is not None:
             self.replay.push(batch)
         return batch
+
+    def _drop_zero_variance(self, group: GroupResult) -> None:
+        """Record a zero-variance group dynamic sampling leaves out (its rollouts listed, never silent)."""
+        self.stats.groups_zero_variance_dropped += 1
+        self.stats.rollouts_dropped += len(group.trajectories)
+        rewards = sorted({t.reward for t in group.trajectories if not t.mask_sample})
+        self._record(
+            {
+                "kind": "group",
+                "task_index": group.task_index,
+                "succeeded": len(group.trajectories),
+                "group_size": self.group_size,
+                "failure_class": "zero_variance",
+                "failure_reason": (
+                    f"every trainable reward is {rewards[0] if rewards else None}: zero advantages, no "
+                    "learning signal (dynamic_sampling: another prompt was drawn in its place)"
+                ),
+                "rewards": [t.reward for t in group.trajectories],
+                "rollout_failure_classes": {},
+                "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
+                "time": time.time(),
+            }
+        )
 
     def _drop_group(
         self,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -175,6 +175,7 @@ def step_record(
     groups: list[GroupResult],
     dropped_stale: list[GroupResult],
     policy_version: int,
+    dropped_zero_variance: Sequence[GroupResult] = (),
     rollouts_ok: int,
     rollouts_failed: int,
     weight_sync_s: float,
@@ -186,7 +187,9 @@ def step_record(
 
     Every field of :class:`~gymbridge.trainer.grpo.StepMetrics` appears as is; ``task_indices``
     are the dataset rows trained in this step (batch order), ``media_keys`` the content keys
-    of the media in the trained batch (sorted, each once), ``staleness_max`` the largest
+    of the media in the trained batch (sorted, each once), ``groups_zero_variance_dropped`` /
+    ``zero_variance_task_indices`` the groups dynamic sampling left out of it (each also in
+    ``failures.jsonl``, class ``zero_variance``), ``staleness_max`` the largest
     ``policy version - oldest turn version`` among them, ``payload`` the bytes each boundary
     recorded since the previous step's record.
     """
@@ -205,6 +208,8 @@ def step_record(
             "rollouts_ok": rollouts_ok,
             "rollouts_failed": rollouts_failed,
             "groups_dropped_stale": len(dropped_stale),
+            "groups_zero_variance_dropped": len(dropped_zero_variance),
+            "zero_variance_task_indices": [g.task_index for g in dropped_zero_variance],
             "task_indices": [g.task_index for g in groups],
             "media_keys": sorted(keys),
             "weight_sync_s": weight_sync_s,

@@ -167,6 +167,11 @@ class SmokeConfig(StrictModel):
     """Join this Ray cluster (``ray.init(address=...)``, e.g. ``auto``) instead of starting a local one."""
     replay_capacity_groups: int = Field(0, ge=0)
     """> 0: keep a replay buffer (saved in every run checkpoint)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: zero-variance groups are left out (recorded) and replaced by new prompts."""
+    dynamic_sampling_max_rounds: int = Field(2, ge=0)
+    """Extra rounds of ``prompts_per_step`` prompts one step may draw to replace zero-variance groups
+    (the dataset is written that much larger)."""
     run_dir: str | None = Field(None, validation_alias=AliasChoices("run_dir", "work_dir"))
     """The run directory (config.yaml, dataset, metrics.jsonl, failures.jsonl, checkpoints/);
     default ``runs/<env>-<UTC timestamp>``. ``work_dir`` is its deprecated old name."""
@@ -185,7 +190,8 @@ class SmokeConfig(StrictModel):
     warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
     """Format warm-up before GRPO (:mod:`gymbridge.launch.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
-    """``trainer.temperature`` is also the sampling temperature of the rollouts."""
+    """``trainer.temperature`` and ``trainer.top_p`` are also the rollouts' sampling settings (every
+    dataset row gets them; a row asking for another ``top_p`` is a ``ConfigError``)."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
     agent_url: str | None = None
@@ -313,16 +319,28 @@ def _media_summary(batch: Any) -> str:
 def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
     spec.check_params(cfg.env_params)
     n = cfg.steps * cfg.prompts_per_step
+    if cfg.dynamic_sampling:  # each batch may draw that many extra rounds of prompts
+        n *= 1 + cfg.dynamic_sampling_max_rounds
     try:
         rows = list(spec.generate(n, cfg.seed, **cfg.env_params))
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"env_params: {cfg.env} generator: {exc}"]) from exc
     lines: list[bytes] = []
-    for row in rows:
+    top_p = cfg.trainer.top_p
+    for index, row in enumerate(rows):
         rcp = dict(row["responses_create_params"])
         # sampling settings are valid Responses-API fields of the dataset row itself
         rcp.setdefault("max_output_tokens", cfg.max_tokens)
         rcp.setdefault("temperature", cfg.trainer.temperature)
+        if top_p != 1.0:
+            rcp.setdefault("top_p", top_p)
+        if rcp.get("top_p", 1.0) != top_p:
+            raise ConfigError(
+                [
+                    f"trainer.top_p: {cfg.env} row {index} asks for top_p={rcp['top_p']} but the trainer "
+                    f"scores with top_p={top_p}: the ratio would be biased; set trainer.top_p to the rows'"
+                ]
+            )
         lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
     write_atomic(path, lines)  # a run killed here resumes with the whole dataset or writes it again
     return n
@@ -394,6 +412,18 @@ def _dp_keys(dp: Any) -> dict[str, Any]:
         "dp_media_dtypes": dict(dp.last_media_dtypes),
         "dp_weights_s": dp.last_weights_s,
     }
+
+
+def _variant_text(cfg: SmokeConfig, m: StepMetrics, record: dict[str, Any]) -> str:
+    """The step line's part for the GRPO variants that are on (KL, overlong masking, DAPO sampling)."""
+    text = ""
+    if cfg.trainer.kl_coef > 0:
+        text += f"  kl {m.kl:.5f} ({cfg.trainer.kl_estimator})"
+    if cfg.trainer.mask_truncated:
+        text += f"  truncated masked {m.truncated_masked}"
+    if cfg.dynamic_sampling:
+        text += f"  zero-variance dropped {record['groups_zero_variance_dropped']}"
+    return text
 
 
 def _sync_text(m: StepMetrics) -> str:
@@ -489,6 +519,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
         renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
         warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, renderer, cfg.warmup)
+        if trainer.reference is not None:  # KL to the policy RL starts from: the warmed-up one
+            trainer.freeze_reference()
         if warm is not None:
             print(
                 f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets, "
@@ -606,6 +638,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             skip_task_indices=state.done_task_indices if state is not None else (),
             # on-policy with the drift guard on, a lagging generator must fail the step loudly
             drop_stale=cfg.rollout.max_staleness > 0 or cfg.trainer.ratio_tolerance is None,
+            dynamic_sampling=cfg.dynamic_sampling,
+            dynamic_sampling_max_rounds=cfg.dynamic_sampling_max_rounds,
         )
         stack.push_async_callback(bridge.aclose)
         artifacts = RunArtifacts(run.path, decode=tiny.tokenizer.decode, chart_every=cfg.chart_every)
@@ -642,6 +676,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 metrics,
                 groups=bridge.last_groups,
                 dropped_stale=bridge.last_dropped_stale,
+                dropped_zero_variance=bridge.last_dropped_zero_variance,
                 policy_version=version,
                 rollouts_ok=ok,
                 rollouts_failed=failed,
@@ -667,6 +702,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 line += " (not published: generator.publish_weights is off)"
             if cfg.rollout.max_staleness > 0:
                 line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
+            line += _variant_text(cfg, metrics, record)
             print(line + _media_summary(done.batch), file=out, flush=True)
             if cfg.checkpoint_every and (step % cfg.checkpoint_every == 0 or step == cfg.steps):
                 if dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
@@ -706,13 +742,19 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     print(
         f"\ndone: {len(result.steps)} step(s), {result.rollouts_ok} rollouts ok, "
         f"{result.rollouts_failed} failed ({s.get('groups_failed', 0)} failed group(s), "
-        f"{s.get('groups_zero_variance', 0)} zero-variance{stale}), "
+        f"{s.get('groups_zero_variance', 0)} zero-variance{stale}"
+        f"{_dropped_zero_variance_text(s)}), "
         f"{result.elapsed_s:.1f}s total; metrics: {run.metrics_path}, failures: {run.failures_path}",
         file=out,
     )
     artifacts.finish(run.metrics())
     print(f"charts: {artifacts.charts_path}/\nviewer: {artifacts.viewer_path}", file=out, flush=True)
     return result
+
+
+def _dropped_zero_variance_text(stats: dict[str, Any]) -> str:
+    dropped = stats.get("groups_zero_variance_dropped", 0)
+    return f", {dropped} zero-variance dropped by dynamic sampling" if dropped else ""
 
 
 def run_smoke(

@@ -4,7 +4,9 @@ A checkpoint of step ``s`` (``DIR/checkpoints/``) is
 
 * ``step-<s>.ckpt``: one :func:`gymbridge.safe_io.save_state` file (safetensors + JSON + sha256)
   with the policy weights (``model.<name>``), the optimizer's tensors (``optim.<param>.<key>``)
-  and the torch RNG state (``rng.torch``) as tensors; the JSON part holds the step count, the
+  and the torch RNG state (``rng.torch``) as tensors, and with ``kl_coef > 0`` the frozen
+  reference policy (``reference.<name>``: the run's initial weights, which a resumed run
+  must score its KL against, not its checkpoint's); the JSON part holds the step count, the
   policy version, the optimizer's scalar state and param groups, the Python and NumPy RNG
   states and the iterator's position: the dataset rows whose group was consumed
   (``done_task_indices``: trained, failed or dropped). Groups in flight at the checkpoint
@@ -140,6 +142,8 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     name = _name(step)
     tensors = {f"model.{k}": v.detach() for k, v in trainer.model.state_dict().items()}
+    if trainer.reference is not None:
+        tensors.update({f"reference.{k}": v.detach() for k, v in trainer.reference.state_dict().items()})
     optim_tensors, optim_meta = _optimizer_state(trainer.optimizer)
     rng_tensors, rng_meta = _rng_state()
     meta = {
@@ -226,6 +230,14 @@ def load_checkpoint(
         trainer.model.load_state_dict(weights, strict=True)
     except RuntimeError as exc:
         raise CheckpointError(ckpt, f"weights do not fit this model: {exc}") from exc
+    if trainer.reference is not None:
+        ref = {k.removeprefix("reference."): v for k, v in tensors.items() if k.startswith("reference.")}
+        if not ref:
+            raise CheckpointError(ckpt, "holds no reference policy, but the trainer's kl_coef > 0 needs one")
+        try:
+            trainer.reference.load_state_dict(ref, strict=True)
+        except RuntimeError as exc:
+            raise CheckpointError(ckpt, f"reference weights do not fit this model: {exc}") from exc
     _load_optimizer(ckpt, trainer.optimizer, tensors, optim_meta)
     _set_rng_state(ckpt, tensors, rng_meta)
     trainer.steps = trainer_steps

@@ -2,13 +2,59 @@
 
 Shapes: a :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row
 ``b`` and position ``t >= 1``, the new logprob is ``log_softmax(logits[b, t-1] / T)[ids[b, t]]``
-(``T`` the sampling temperature the rollouts used); the generation logprob stored at
+(``T`` the sampling temperature the rollouts used, restricted to the rollouts' top-p nucleus
+when ``GRPOConfig.top_p < 1``, see below); the generation logprob stored at
 ``batch.logprobs[b, t]`` is the old one. With ``ratio = exp(new - old)`` and the row's
-advantage ``A``, the per-token loss is ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``,
-averaged over every loss-masked token of the batch (token-level mean; the batch's
-``loss_mask`` is 0 on prompt, observation, padding and ``mask_sample`` rows). No KL term
-(reference-free GRPO); top-p is not re-applied (the ratio uses the temperature-scaled
-distribution).
+advantage ``A``, the per-token loss is ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``
+plus, with ``GRPOConfig.kl_coef = beta > 0``, ``beta * KL_t`` (below). The batch's ``loss_mask``
+is 0 on prompt, observation, padding and ``mask_sample`` rows (and, with
+``mask_truncated``, on rollouts that hit the token limit).
+
+**Loss aggregation** (``GRPOConfig.loss_agg``; ``l`` the per-token loss, ``m`` the loss mask,
+``T`` the loss tokens and ``R`` the rows holding at least one loss token, both of the *whole*
+batch):
+
+* ``token_mean`` (default): ``sum_{b,t} m l / T``, every token weighs the same (DAPO's
+  token-level loss; long answers weigh more);
+* ``seq_mean_token_sum``: ``sum_{b,t} m l / R``, each row's token sum, averaged over rows;
+* ``seq_mean_token_mean``: ``sum_b (sum_t m l / T_b) / R`` with ``T_b`` the row's own loss
+  tokens: each row weighs the same whatever its length (the GRPO paper's ``1/|o_i|``).
+
+The normalisers ``T`` and ``R`` are the whole batch's (``compute_gradients(part,
+total_loss_tokens=T, total_loss_rows=R)``), and every row lies in exactly one part, so the
+gradients of micro-batches and DP shards **sum** to the full-batch gradient in every mode.
+
+**KL to a frozen reference.** ``kl_coef > 0``: at construction the trainer keeps a frozen
+copy of the policy (:attr:`GRPOTrainer.reference`; never updated, no gradients;
+:meth:`GRPOTrainer.freeze_reference` re-takes it, which the launcher does after its format
+warm-up). The reference logprob ``ref`` of each token comes from the same function as ``new``
+(same temperature, media mask and nucleus), and with ``r = ref - new`` the per-token term is
+Schulman's estimator (http://joschu.net/blog/kl-approx.html) of ``KL(pi_theta || pi_ref)``:
+``k1 = -r`` or ``k3 = exp(r) - r - 1`` (non-negative, low variance; the GRPO paper's; ``r``
+is clamped to ``[-20, 20]`` so one token cannot make it infinite). ``StepMetrics.kl`` is its
+token mean over the loss tokens. ``kl_coef == 0`` builds no reference (no memory, no forward).
+
+**Top-p.** The generator samples from the nucleus of the temperature-scaled, media-masked
+distribution (``HFGenerator`` through transformers' ``TopPLogitsWarper``) and reports the
+logprob renormalised over it. With ``GRPOConfig.top_p = p < 1`` :func:`token_logprobs`
+applies the same rule to the trainer's logits at every loss position (sort ascending, drop
+the tokens whose cumulative probability is ``<= 1 - p``, always keeping the most probable one;
+the membership is computed without gradient, the gradient flows through the kept logits) and
+renormalises over the nucleus, so the ratio is 1 before an update. The sampled token is
+always kept: on-policy it is in the nucleus (it was sampled from it); a token outside the
+trainer's nucleus (off-policy, or a numeric tie at the nucleus's edge) is scored with its own
+mass added to the normaliser instead of probability 0, so ratios and KL stay finite, and
+``StepMetrics.top_p_outside_fraction`` reports how many loss tokens that was. Rows that say
+how they were sampled (``metadata["sampling"]``, from the Gym result, see
+:func:`~gymbridge.trajectory.from_gym_result`) must agree with ``GRPOConfig.top_p``, else the
+step raises :class:`~gymbridge.errors.SamplingMismatchError` before any forward pass: a ratio
+against logprobs of another distribution would be silently biased.
+
+**Overlong rollouts.** ``mask_truncated: true`` zeroes the loss mask of every row whose
+rollout hit the token limit (``metadata["incomplete_reason"] == "max_output_tokens"``: the
+model server's ``incomplete_details``) in :meth:`GRPOTrainer.prepare`, before any split, so
+the normalisers above do not count them; ``StepMetrics.truncated_masked`` counts those rows.
+Their rewards still entered their group's advantages (the bridge computed them).
 
 **Off-policy correction.** The old logprob is the *generator's* (the behaviour policy ``mu``
 that sampled the tokens), so ``ratio = pi_theta / mu`` is an importance weight: the clipped
@@ -53,7 +99,10 @@ Invariants:
   (:mod:`gymbridge.trainer.packing`);
 * gradients of a batch split into micro-batches (or DP shards, see
   :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
-  its loss sum by the token count of the whole batch (``total_loss_tokens``);
+  by the whole batch's normaliser (``total_loss_tokens`` / ``total_loss_rows``, see *Loss
+  aggregation*), and ``mask_truncated`` is applied before the batch is split;
+* the reference policy (``kl_coef > 0``) is never updated: no optimizer holds its
+  parameters and they do not require gradients;
 * a batch without a single loss token (every row ``mask_sample``, or empty) changes nothing:
   the optimizer is not stepped (AdamW momentum / weight decay would still move the weights)
   and ``steps`` does not advance;
@@ -77,18 +126,21 @@ shows after a few steps.
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, model_validator
 
 from gymbridge.config import StrictModel
-from gymbridge.errors import PolicyDriftError, TrajectoryError
+from gymbridge.errors import PolicyDriftError, SamplingMismatchError, TrajectoryError
 from gymbridge.generation.types import media_special_token_ids
 from gymbridge.trainer.encoder import (
     EncoderStats,
@@ -108,11 +160,25 @@ __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
     "GradientResult",
+    "KLEstimator",
+    "LossAgg",
     "StepMetrics",
+    "aggregate_loss",
+    "check_sampling",
     "grpo_token_loss",
+    "hit_token_limit",
+    "kl_estimate",
+    "loss_rows",
     "media_kwargs",
+    "nucleus_logprobs",
     "token_logprobs",
 ]
+
+
+LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+KLEstimator = Literal["k1", "k3"]
+KL_LOG_RATIO_CLAMP = 20.0
+"""``|ref - new|`` bound inside the k3 estimator (``exp(20)`` ~ 5e8: large, never infinite)."""
 
 
 class GRPOConfig(StrictModel):
@@ -157,6 +223,18 @@ class GRPOConfig(StrictModel):
         """``dtype`` as a ``torch.dtype``."""
         return torch.bfloat16 if self.dtype == "bfloat16" else torch.float32
 
+    top_p: float = Field(1.0, gt=0, le=1.0, allow_inf_nan=False)
+    """The rollouts' nucleus (top-p) sampling: new logprobs are renormalised over the same nucleus
+    (module docstring, *Top-p*). Rows recording another ``top_p`` fail the step."""
+    kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight ``beta`` of the KL penalty to a frozen copy of the initial policy (0: none, no copy)."""
+    kl_estimator: KLEstimator = "k3"
+    """``k1``: ``new - ref``; ``k3``: ``exp(ref - new) - (ref - new) - 1`` (module docstring)."""
+    loss_agg: LossAgg = "token_mean"
+    """How per-token losses become the batch loss (module docstring, *Loss aggregation*)."""
+    mask_truncated: bool = False
+    """Zero the loss mask of rollouts that hit the token limit (``max_output_tokens``)."""
+
     @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:
         if self.is_cap is not None and self.is_cap < 1.0 + self.clip_eps_high:
@@ -169,7 +247,7 @@ class GRPOConfig(StrictModel):
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """What one step reports (``loss`` is the token-mean clipped-PG loss before the update)."""
+    """What one step reports (``loss``: the aggregated loss, PG plus KL term, before the update)."""
 
     loss: float
     mean_reward: float
@@ -204,6 +282,12 @@ class StepMetrics:
     """Media references (placeholder blocks) the encoder outputs filled this step, every copy counted."""
     encoder_dedup: bool = False
     """Every micro-batch with media encoded each unique item once (False without media)."""
+    kl: float = 0.0
+    """Token mean over loss tokens of the KL estimator to the reference (0.0 when ``kl_coef == 0``)."""
+    truncated_masked: int = 0
+    """Rows whose loss tokens ``mask_truncated`` removed (their rollout hit the token limit)."""
+    top_p_outside_fraction: float = 0.0
+    """Loss tokens outside the trainer's top-p nucleus (kept with their own mass, module docstring)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -215,7 +299,7 @@ class GradientResult:
 
     grads: list[torch.Tensor]
     loss_sum: float
-    """Sum over this part's loss tokens of the per-token loss, divided by the total token count."""
+    """This part's share of the batch loss (per-token losses over the whole batch's normaliser)."""
     loss_tokens: int
     clipped_tokens: int
     ratio_sum: float
@@ -237,6 +321,10 @@ class GradientResult:
     encoder_refs: int = 0
     encoder_dedup: bool = False
     """Every micro-batch of this part with media encoded once per unique item."""
+    ref_kl_sum: float = 0.0
+    """Sum over this part's loss tokens of the KL estimator to the reference."""
+    outside_top_p_tokens: int = 0
+    """Loss tokens outside the trainer's top-p nucleus."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -337,27 +425,46 @@ def _check_placeholders(config: Any, batch: TrainBatch, media: dict[str, torch.T
             )
 
 
-def token_logprobs(
+def nucleus_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N]`` logprobs of ``targets`` ``[N]`` under the top-p nucleus of ``logits`` ``[N, V]``.
+
+    The nucleus is the generator's (transformers' ``TopPLogitsWarper`` rule): in ascending
+    order, tokens whose cumulative probability is ``<= 1 - top_p`` are dropped, the most
+    probable token always stays. Membership is computed without gradient; the target is
+    always kept (module docstring). Returns ``(logprobs, outside)``, ``outside`` ``[N]`` bool:
+    the target lay outside the nucleus. ``logits`` are already temperature-scaled and masked.
+    """
+    with torch.no_grad():
+        ascending, order = torch.sort(logits, dim=-1)
+        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= 1.0 - top_p
+        drop_sorted[..., -1] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        outside = drop.gather(-1, targets[:, None])[:, 0]
+        drop.scatter_(-1, targets[:, None], False)
+    kept = logits.masked_fill(drop, float("-inf"))
+    picked = logits.gather(-1, targets[:, None])[:, 0]
+    return picked - torch.logsumexp(kept, dim=-1), outside
+
+
+def _token_logprobs(
     model: Any,
     batch: TrainBatch,
     *,
-    temperature: float = 1.0,
-    suppress_token_ids: Sequence[int] | None = None,
+    temperature: float,
+    suppress_token_ids: Sequence[int] | None,
+    top_p: float,
     packed: bool = False,
     encoder_dedup: bool = False,
     encoder_stats: EncoderStats | None = None,
-) -> torch.Tensor:
-    """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
-
-    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
-    The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
-    model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask).
-    ``packed``: the rows run as one packed sequence (:mod:`gymbridge.trainer.packing`); the
-    result is unpacked to the same ``[B, L]`` layout. ``encoder_dedup``: encode each unique
-    media item once (``GRPOConfig.encoder_dedup``); ``encoder_stats`` counts the encoder work.
-    """
+) -> tuple[torch.Tensor, int]:
+    """:func:`token_logprobs` and the number of loss tokens outside the trainer's nucleus."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     kwargs = _forward_kwargs(model, batch, encoder_dedup=encoder_dedup, encoder_stats=encoder_stats)
     rows: PackedRows | None = None
     if packed:
@@ -367,21 +474,101 @@ def token_logprobs(
         logits = logits / temperature
     ids = (rows.pack(batch.input_ids) if rows is not None else batch.input_ids).to(logits.device)
     logits = logits[:, :-1]
+    targets = ids[:, 1:]
     if suppress_token_ids is None:
         suppress_token_ids = media_special_token_ids(model.config)
     suppress = [t for t in suppress_token_ids if 0 <= t < logits.shape[-1]]
     if suppress:
-        keep = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
-        keep[suppress] = False
-        picked = logits.gather(-1, ids[:, 1:, None])[..., 0]
-        lp = picked - torch.logsumexp(logits[..., keep], dim=-1)
-    else:
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
+    lp = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
+    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    outside = 0
+    if top_p < 1.0:
+        # only where the loss looks: a [N, V] sort, and prompt tokens need no nucleus
+        loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
+        where = loss_mask[:, 1:].to(logits.device) > 0
+        if bool(where.any()):
+            nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
+            lp = lp.masked_scatter(where, nucleus)
+            outside = int(out_mask.sum())
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:] = lp
     if rows is not None:  # a row's first token follows the previous row: no logprob there
-        return rows.unpack(out)
-    return out * batch.attention_mask.to(out.device)
+        return rows.unpack(out), outside
+    return out * batch.attention_mask.to(out.device), outside
+
+
+def token_logprobs(
+    model: Any,
+    batch: TrainBatch,
+    *,
+    temperature: float = 1.0,
+    suppress_token_ids: Sequence[int] | None = None,
+    top_p: float = 1.0,
+    packed: bool = False,
+    encoder_dedup: bool = False,
+    encoder_stats: EncoderStats | None = None,
+) -> torch.Tensor:
+    """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
+
+    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
+    The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
+    model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask)
+    and, with ``top_p < 1``, over the nucleus at every loss-mask position (module docstring).
+    ``packed``: the rows run as one packed sequence (:mod:`gymbridge.trainer.packing`); the
+    result is unpacked to the same ``[B, L]`` layout. ``encoder_dedup``: encode each unique
+    media item once (``GRPOConfig.encoder_dedup``); ``encoder_stats`` counts the encoder work.
+    """
+    lp, _ = _token_logprobs(
+        model,
+        batch,
+        temperature=temperature,
+        suppress_token_ids=suppress_token_ids,
+        top_p=top_p,
+        packed=packed,
+        encoder_dedup=encoder_dedup,
+        encoder_stats=encoder_stats,
+    )
+    return lp
+
+
+def kl_estimate(
+    new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator
+) -> torch.Tensor:
+    """Per-token estimator of ``KL(pi_theta || pi_ref)`` from sampled-token logprobs (same shape)."""
+    log_ratio = ref_logprobs.to(new_logprobs) - new_logprobs  # r = log pi_ref / pi_theta
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k3":
+        r = log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+        return torch.exp(r) - r - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1 or k3)")
+
+
+def loss_rows(loss_mask: torch.Tensor) -> int:
+    """Rows of ``loss_mask`` ``[B, L]`` holding at least one loss token (the ``seq_mean`` normaliser)."""
+    return int((loss_mask.sum(dim=1) > 0).sum()) if loss_mask.numel() else 0
+
+
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    loss_agg: LossAgg,
+    *,
+    total_loss_tokens: int,
+    total_loss_rows: int,
+) -> torch.Tensor:
+    """The batch loss from per-token losses ``[B, L]`` and the loss mask (module docstring)."""
+    masked = per_token * mask
+    if loss_agg == "token_mean":
+        return masked.sum() / max(total_loss_tokens, 1)
+    row_sums = masked.sum(dim=1)
+    if loss_agg == "seq_mean_token_sum":
+        return row_sums.sum() / max(total_loss_rows, 1)
+    if loss_agg == "seq_mean_token_mean":
+        return (row_sums / mask.sum(dim=1).clamp(min=1)).sum() / max(total_loss_rows, 1)
+    raise ValueError(f"unknown loss_agg {loss_agg!r}")
 
 
 def grpo_token_loss(
@@ -394,18 +581,26 @@ def grpo_token_loss(
     clip_eps_high: float = 0.2,
     total_loss_tokens: int | None = None,
     is_cap: float | None = None,
+    loss_agg: LossAgg = "token_mean",
+    total_loss_rows: int | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio PG loss over ``[B, L]`` token logprobs with row advantages ``[B]``.
+    """Clipped-ratio PG loss (plus ``kl_coef`` x KL to ``ref_logprobs``) over ``[B, L]`` logprobs.
 
-    Returns ``(loss, stats)``: ``loss`` is the sum of per-token losses over ``loss_mask``
-    divided by ``total_loss_tokens`` (default: this mask's token count), so parts of a batch
-    sum to the batch's token mean. ``stats`` holds ``clipped`` (tokens whose ratio was
+    ``advantages`` are per row ``[B]``. Returns ``(loss, stats)``: ``loss`` aggregates the
+    per-token losses over ``loss_mask`` by ``loss_agg`` with the whole batch's
+    ``total_loss_tokens`` / ``total_loss_rows`` (default: this mask's own), so parts of a
+    batch sum to the batch's loss. ``stats`` holds ``clipped`` (tokens whose ratio was
     clipped in the active direction), ``capped`` (tokens whose importance weight ``is_cap``
     truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
-    ``ratio_sum``, ``kl_sum`` and ``max_abs_log`` (the largest ``|new - old|``) over masked tokens.
+    ``ratio_sum``, ``kl_sum`` (``old - new``), ``ref_kl_sum`` (the KL estimator, 0 without a
+    reference) and ``max_abs_log`` (the largest ``|new - old|``) over masked tokens.
     """
     mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
     tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
+    rows = loss_rows(mask) if total_loss_rows is None else total_loss_rows
     log_ratio = (new_logprobs - old_logprobs.to(new_logprobs)) * mask
     ratio = torch.exp(log_ratio)
     adv = advantages.to(new_logprobs)[:, None]
@@ -415,7 +610,12 @@ def grpo_token_loss(
     unclipped = weight * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    loss = (per_token * mask).sum() / max(tokens, 1)
+    ref_kl: torch.Tensor | None = None
+    if ref_logprobs is not None:
+        ref_kl = kl_estimate(new_logprobs, ref_logprobs, kl_estimator) * mask
+        if kl_coef:
+            per_token = per_token + kl_coef * ref_kl
+    loss = aggregate_loss(per_token, mask, loss_agg, total_loss_tokens=tokens, total_loss_rows=rows)
     with torch.no_grad():
         was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
         capped = ((ratio > is_cap) & (mask > 0)).sum() if is_cap is not None else 0
@@ -424,9 +624,42 @@ def grpo_token_loss(
             "capped": float(capped),
             "ratio_sum": float((ratio * mask).sum()),
             "kl_sum": float((-log_ratio * mask).sum()),
+            "ref_kl_sum": float(ref_kl.sum()) if ref_kl is not None else 0.0,
             "max_abs_log": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
         }
     return loss, stats
+
+
+def hit_token_limit(meta: dict[str, Any]) -> bool:
+    """Whether a row's rollout stopped at the token limit (``incomplete_details.reason``)."""
+    return meta.get("incomplete_reason") == "max_output_tokens"
+
+
+def check_sampling(batch: TrainBatch, top_p: float) -> None:
+    """Refuse rows sampled with another ``top_p`` than the trainer's (:class:`SamplingMismatchError`).
+
+    A row says how it was sampled in ``metadata["sampling"]`` (``temperature``, ``top_p``; see
+    :func:`~gymbridge.trajectory.from_gym_result`); rows that say nothing are not checked, and a
+    greedy row (``temperature == 0``: the generator reports raw logprobs, no nucleus) counts as
+    ``top_p = 1``.
+    """
+    for row, meta in enumerate(batch.metadata):
+        sampling = meta.get("sampling")
+        if not isinstance(sampling, dict):
+            continue
+        row_top_p = sampling.get("top_p")
+        if not isinstance(row_top_p, (int, float)) or isinstance(row_top_p, bool):
+            continue
+        if sampling.get("temperature") == 0:
+            row_top_p = 1.0
+        if not math.isclose(float(row_top_p), top_p, rel_tol=0.0, abs_tol=1e-9):
+            raise SamplingMismatchError(
+                rollout_top_p=float(row_top_p),
+                trainer_top_p=top_p,
+                row=row,
+                task_index=meta.get("task_index"),
+                rollout_index=meta.get("rollout_index"),
+            )
 
 
 class GRPOTrainer:
@@ -451,37 +684,82 @@ class GRPOTrainer:
             self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
         )
         self.steps = 0
+        self.reference: Any | None = None
+        """The frozen reference policy (``kl_coef > 0``; ``None`` otherwise)."""
+        if self.config.kl_coef > 0:
+            self.freeze_reference()
 
-    def compute_gradients(self, batch: TrainBatch, *, total_loss_tokens: int | None = None) -> GradientResult:
+    def freeze_reference(self) -> None:
+        """Take (or re-take) the reference policy: a frozen copy of the policy's current weights."""
+        if self.config.kl_coef <= 0:
+            raise ValueError("freeze_reference: kl_coef is 0, the trainer keeps no reference policy")
+        ref = copy.deepcopy(self.model)
+        ref.eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+        self.reference = ref
+
+    def prepare(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
+        """The whole batch as the loss sees it, before any split: ``(batch, truncated rows masked)``.
+
+        Checks the rows' sampling against ``top_p`` (:func:`check_sampling`) and, with
+        ``mask_truncated``, zeroes the loss mask of rows that hit the token limit.
+        """
+        check_sampling(batch, self.config.top_p)
+        if not self.config.mask_truncated or len(batch) == 0:
+            return batch, 0
+        hit = torch.tensor([hit_token_limit(m) for m in batch.metadata], dtype=torch.bool)
+        counted = hit & (batch.loss_mask.sum(dim=1) > 0)
+        masked = int(counted.sum())
+        if not masked:
+            return batch, 0
+        keep = (~hit).to(batch.loss_mask.dtype)[:, None]
+        return replace(batch, loss_mask=batch.loss_mask * keep), masked
+
+    def compute_gradients(
+        self,
+        batch: TrainBatch,
+        *,
+        total_loss_tokens: int | None = None,
+        total_loss_rows: int | None = None,
+    ) -> GradientResult:
         """Gradients of ``batch``'s loss (micro-batched by token budget); the model is not updated.
 
-        ``total_loss_tokens`` is the loss-token count of the whole batch this one is part of
-        (default: this batch's own), so gradients of parts add up to the whole's.
+        ``total_loss_tokens`` / ``total_loss_rows`` are the loss-token count and the count of
+        rows holding a loss token of the whole batch this one is part of (default: this batch's
+        own), so gradients of parts add up to the whole's. ``batch`` is used as given:
+        :meth:`step` calls :meth:`prepare` on the whole batch first.
         """
         cfg = self.config
         total = int(batch.loss_mask.sum()) if total_loss_tokens is None else int(total_loss_tokens)
+        rows = loss_rows(batch.loss_mask) if total_loss_rows is None else int(total_loss_rows)
         grads = [torch.zeros_like(p) for p in self.params]
         result = GradientResult(grads, 0.0, int(batch.loss_mask.sum()), 0, 0.0, 0.0)
         if len(batch) == 0 or result.loss_tokens == 0:
             return result
         self.model.eval()
-        loss_sum = ratio_sum = kl_sum = 0.0
-        clipped = capped = tokens_run = padding = sequences = 0
+        loss_sum = ratio_sum = kl_sum = ref_kl_sum = 0.0
+        clipped = capped = outside = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
         packed = cfg.sequence_packing
         encoder = EncoderStats()
         for mb in batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed):
             if float(mb.loss_mask.sum()) == 0:
                 continue
-            new_lp = token_logprobs(
-                self.model,
-                mb,
+            score = functools.partial(
+                _token_logprobs,
+                batch=mb,
                 temperature=cfg.temperature,
                 suppress_token_ids=cfg.suppress_token_ids,
+                top_p=cfg.top_p,
                 packed=packed,
                 encoder_dedup=cfg.encoder_dedup,
-                encoder_stats=encoder,
             )
+            new_lp, mb_outside = score(self.model, encoder_stats=encoder)
+            ref_lp: torch.Tensor | None = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_lp, _ = score(self.reference)
             run = mb.num_tokens if packed else len(mb) * mb.seq_len
             tokens_run += run
             padding += run - mb.num_tokens
@@ -495,6 +773,11 @@ class GRPOTrainer:
                 clip_eps_high=cfg.clip_eps_high,
                 total_loss_tokens=total,
                 is_cap=cfg.is_cap,
+                loss_agg=cfg.loss_agg,
+                total_loss_rows=rows,
+                ref_logprobs=ref_lp,
+                kl_coef=cfg.kl_coef,
+                kl_estimator=cfg.kl_estimator,
             )
             part = torch.autograd.grad(loss, self.params, allow_unused=True)
             for acc, g in zip(grads, part, strict=True):
@@ -505,8 +788,10 @@ class GRPOTrainer:
             loss_sum += float(loss.detach())
             clipped += int(stats["clipped"])
             capped += int(stats["capped"])
+            outside += mb_outside
             ratio_sum += stats["ratio_sum"]
             kl_sum += stats["kl_sum"]
+            ref_kl_sum += stats["ref_kl_sum"]
         first_mean, first_max = first if first is not None else (1.0, 0.0)
         return GradientResult(
             grads,
@@ -524,6 +809,8 @@ class GRPOTrainer:
             encoder_segments=encoder.segments,
             encoder_refs=encoder.refs,
             encoder_dedup=encoder.deduplicated,
+            ref_kl_sum=ref_kl_sum,
+            outside_top_p_tokens=outside,
         )
 
     def check_drift(self, first: GradientResult) -> None:
@@ -558,13 +845,14 @@ class GRPOTrainer:
     def step(self, batch: TrainBatch) -> StepMetrics:
         """One GRPO update on ``batch``; returns its metrics."""
         started = time.perf_counter()
+        batch, truncated = self.prepare(batch)
         res = self.compute_gradients(batch)
         if res.loss_tokens == 0:
             log_skipped_step(batch)
-            return summarize(batch, [res], 0.0, time.perf_counter() - started)
+            return summarize(batch, [res], 0.0, time.perf_counter() - started, truncated_masked=truncated)
         self.check_drift(res)
         norm = self.apply_gradients(res.grads)
-        return summarize(batch, [res], norm, time.perf_counter() - started)
+        return summarize(batch, [res], norm, time.perf_counter() - started, truncated_masked=truncated)
 
 
 def log_skipped_step(batch: TrainBatch) -> None:
@@ -577,7 +865,12 @@ def log_skipped_step(batch: TrainBatch) -> None:
 
 
 def summarize(
-    batch: TrainBatch, parts: list[GradientResult], grad_norm: float, elapsed_s: float
+    batch: TrainBatch,
+    parts: list[GradientResult],
+    grad_norm: float,
+    elapsed_s: float,
+    *,
+    truncated_masked: int = 0,
 ) -> StepMetrics:
     """Step metrics from the gradient results of a batch's parts."""
     tokens = sum(p.loss_tokens for p in parts)
@@ -610,4 +903,7 @@ def summarize(
         encoder_refs=sum(p.encoder_refs for p in parts),
         encoder_dedup=any(p.encoder_refs for p in parts)
         and all(p.encoder_dedup for p in parts if p.encoder_refs),
+        kl=sum(p.ref_kl_sum for p in parts) / max(tokens, 1),
+        truncated_masked=truncated_masked,
+        top_p_outside_fraction=sum(p.outside_top_p_tokens for p in parts) / max(tokens, 1),
     )

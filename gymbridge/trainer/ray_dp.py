@@ -18,8 +18,10 @@ A step (:meth:`RayDPTrainer.step`):
    (only the media segments its rows reference, once; pickle protocol 5, storage out of
    band), recorded at the ``policy_shard`` boundary of the ``PayloadMeter``;
 2. every worker accumulates its shard's gradients over its micro-batches locally
-   (``GRPOTrainer.compute_gradients`` with the **whole batch's** loss-token count, so the
-   shards' gradients sum to the full-batch gradient) and then all-reduces (sum) them once, in
+   (``GRPOTrainer.compute_gradients`` with the **whole batch's** normaliser: loss tokens, or
+   rows for ``loss_agg: seq_mean_*``, after ``mask_truncated`` was applied to the whole batch;
+   so the shards' gradients sum to the full-batch gradient; with ``kl_coef > 0`` each worker
+   scores against its copy of the driver's frozen reference) and then all-reduces (sum) them once, in
    flat buckets of at most 64 MiB (:func:`~gymbridge.generation.weights.plan_buckets`);
    it returns metrics only: **the driver never holds a gradient**;
 3. the drift guard runs on the driver, on the metrics of the first shard that holds a loss
@@ -73,6 +75,7 @@ from gymbridge.trainer.grpo import (
     GRPOTrainer,
     StepMetrics,
     log_skipped_step,
+    loss_rows,
     summarize,
 )
 
@@ -169,8 +172,6 @@ class DPWorker:
         self.trainer = GRPOTrainer(model, config)
         self._grads: list[torch.Tensor] | None = None
 
-    # ------------------------------------------------------------------ the group
-
     def node_address(self) -> str:
         import ray
 
@@ -211,6 +212,8 @@ class DPWorker:
         else:  # a fresh driver optimizer: a fresh one here too (no momentum left from before)
             self.trainer = GRPOTrainer(self.trainer.model, self.trainer.config)
         self.trainer.steps = int(state["steps"])
+        if state.get("reference") is not None and self.trainer.reference is not None:
+            self.trainer.reference.load_state_dict(state["reference"])  # the driver's (a resumed run's)
         self._grads = None
 
     def optimizer_state(self) -> dict[str, Any]:
@@ -221,7 +224,9 @@ class DPWorker:
 
     # ------------------------------------------------------------------ a step
 
-    def compute(self, shard: TrainBatch, total_loss_tokens: int) -> GradientResult | None:
+    def compute(
+        self, shard: TrainBatch, total_loss_tokens: int, total_loss_rows: int | None = None
+    ) -> GradientResult | None:
         """This shard's gradients, all-reduced over the group; returns metrics only (no gradients).
 
         ``None``: a peer's shard failed (that worker raises); nothing is kept.
@@ -234,7 +239,9 @@ class DPWorker:
         error: BaseException | None = None
         result: GradientResult | None = None
         try:
-            result = self.trainer.compute_gradients(shard, total_loss_tokens=total_loss_tokens)
+            result = self.trainer.compute_gradients(
+                shard, total_loss_tokens=total_loss_tokens, total_loss_rows=total_loss_rows
+            )
         except Exception as exc:  # told to the peers first, raised below
             error = exc
         failed = torch.tensor([0.0 if error is None else 1.0], device=self.device)
@@ -325,6 +332,9 @@ class RayDPTrainer:
             "model": {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()},
             "optimizer": _to_cpu(self.trainer.optimizer.state_dict()),
             "steps": self.trainer.steps,
+            "reference": None
+            if self.trainer.reference is None
+            else {k: v.detach().cpu() for k, v in self.trainer.reference.state_dict().items()},
         }
         ref = self.ray.put(state)
         self.ray.get([w.load.remote(ref) for w in self.workers])
@@ -338,6 +348,7 @@ class RayDPTrainer:
 
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
+        batch, truncated = self.trainer.prepare(batch)  # the whole batch's loss mask, before the split
         shards = policy_shards(batch, self.num_workers, self.dtype)
         self.last_shard_tokens = [s.num_tokens for s in shards]
         self.last_media_dtypes = {
@@ -350,10 +361,13 @@ class RayDPTrainer:
             for i, shard in enumerate(shards):
                 self.meter.record("policy_shard", shard, shard=i)
         total = int(batch.loss_mask.sum())
+        rows = loss_rows(batch.loss_mask)
         if total == 0:  # no learning signal: no worker steps, weights stay identical
             log_skipped_step(batch)
-            return summarize(batch, [], 0.0, time.perf_counter() - started)
-        got = self.ray.get([w.compute.remote(s, total) for w, s in zip(self.workers, shards, strict=True)])
+            return summarize(batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated)
+        got = self.ray.get(
+            [w.compute.remote(s, total, rows) for w, s in zip(self.workers, shards, strict=True)]
+        )
         parts: list[GradientResult] = [p for p in got if p is not None]
         if len(parts) != len(got):  # a failing worker raises; reaching here means one returned early
             raise TrainingError("a DP worker dropped its gradients without an error")
@@ -372,7 +386,7 @@ class RayDPTrainer:
             self.trainer.model.load_state_dict(weights)
         self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
-        return summarize(batch, parts, norm, time.perf_counter() - started)
+        return summarize(batch, parts, norm, time.perf_counter() - started, truncated_masked=truncated)
 
     def param_digests(self) -> list[str]:
         """The driver's parameter digest followed by every worker's (all equal when in sync)."""

@@ -49,7 +49,9 @@ naming how many images are missing (:func:`_check_media_assets`).
 Media that arrive after the last turn belong to no model call; they are counted in
 ``Trajectory.metadata["trailing_media"]`` rather than dropped without a trace, and
 assistant items after the last turn (a call without token fields, or an empty
-generation) in ``metadata["trailing_assistant_items"]``.
+generation) in ``metadata["trailing_assistant_items"]``. ``metadata["sampling"]`` records the
+``temperature`` / ``top_p`` the rollout was sampled with (the response's echo, else its
+request's), which the trainer checks against its own (``GRPOConfig.top_p``).
 """
 
 from __future__ import annotations
@@ -691,6 +693,25 @@ def _no_turn_reason(walk: _Walk, n_items: int) -> str:
     )
 
 
+def _sampling(data: Mapping[str, Any], response: Mapping[str, Any]) -> dict[str, float]:
+    """How the rollout was sampled: ``temperature`` / ``top_p`` as the response echoes them, else
+    as its request (``responses_create_params``) asked, where a request without the field means
+    the server's default (1.0); nothing when the result holds neither (the trainer then
+    cannot check them)."""
+    rcp = data.get("responses_create_params")
+    out: dict[str, float] = {}
+    for key in ("temperature", "top_p"):
+        for source in (response, rcp if isinstance(rcp, Mapping) else {}):
+            value = source.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out[key] = float(value)
+                break
+        else:
+            if isinstance(rcp, Mapping):
+                out[key] = 1.0
+    return out
+
+
 def _finish(
     walk: _Walk, data: Mapping[str, Any], response: Mapping[str, Any], components_check: RewardComponentsCheck
 ) -> Trajectory:
@@ -732,6 +753,9 @@ def _finish(
         metadata["incomplete_reason"] = incomplete["reason"]
     if isinstance(response_meta, Mapping) and response_meta.get("ng_termination_reason") is not None:
         metadata["termination_reason"] = response_meta["ng_termination_reason"]
+    sampling = _sampling(data, response)
+    if sampling:
+        metadata["sampling"] = sampling
     if walk.pending_media:
         metadata["trailing_media"] = len(walk.pending_media)
         logger.debug("%d media item(s) arrived after the last turn", len(walk.pending_media))

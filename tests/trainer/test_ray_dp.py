@@ -7,6 +7,7 @@ optimizers (``sync_workers``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Iterator
@@ -251,3 +252,30 @@ def test_a_checkpointed_dp_state_resumes_bit_identically(
     again = dp.step(batch)
     assert (again.loss, again.grad_norm) == (went_on.loss, went_on.grad_norm)
     assert dp.param_digests() == after and dp.trainer.steps == 2
+
+
+def test_dp_runs_the_grpo_variants_like_a_single_process(
+    cluster: tuple[dict[int, RayDPTrainer], PayloadMeter, Any], batch: TrainBatch
+) -> None:
+    """KL to each worker's own frozen reference, seq-mean aggregation and mask_truncated: shards sum up."""
+    config = GRPOConfig(lr=1e-3, kl_coef=0.1, loss_agg="seq_mean_token_mean", mask_truncated=True)
+    model = tiny_policy(0)
+    factory = functools.partial(from_config, type(model), model.config)
+    # the module's actors hold the local Ray's CPUs: these two take none
+    trainer = RayDPTrainer(GRPOTrainer(model, config, on_policy=False), factory, 2, worker_num_cpus=0)
+    try:
+        local = GRPOTrainer(tiny_policy(0), config, on_policy=False)
+        fixed = with_current_logprobs(local.model, batch)
+        meta = list(fixed.metadata)
+        meta[1] = {**meta[1], "incomplete_reason": "max_output_tokens"}  # one truncated rollout
+        fixed = dataclasses.replace(fixed, metadata=tuple(meta))
+        for _ in range(3):
+            got, want = trainer.step(fixed), local.step(fixed)
+            assert got.loss == pytest.approx(want.loss, abs=1e-6)
+            assert got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+            assert got.kl == pytest.approx(want.kl, abs=1e-7)
+            assert got.truncated_masked == want.truncated_masked == 1
+        assert want.kl > 0
+        assert len(set(trainer.param_digests())) == 1
+    finally:
+        trainer.shutdown()

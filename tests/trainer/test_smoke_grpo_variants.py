@@ -1,0 +1,87 @@
+"""The GRPO variants from the launcher: ``gymbridge smoke run --set trainer.kl_coef=...`` and friends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gymbridge.errors import ConfigError
+from gymbridge.launch.smoke import _write_dataset, build_config, main
+
+pytestmark = pytest.mark.integration
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_every_variant_runs_from_the_launcher_and_lands_in_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    argv = ["--native", "--steps", "3", "--prompts", "2", "--group-size", "4", "--no-progress"]
+    argv += ["--run-dir", str(run)]
+    for kv in (
+        "trainer.kl_coef=0.05",
+        "trainer.kl_estimator=k3",
+        "trainer.top_p=0.9",
+        "trainer.loss_agg=seq_mean_token_mean",
+        "trainer.mask_truncated=true",
+        "dynamic_sampling=true",
+        "dynamic_sampling_max_rounds=1",
+    ):
+        argv += ["--set", kv]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    records = _lines(run / "metrics.jsonl")
+    assert len(records) == 3
+    assert "kl " in out and "(k3)" in out and "truncated masked" in out and "zero-variance dropped" in out
+    # the generator sampled at top_p 0.9 (every row says so) and the trainer's nucleus matches it
+    rows = _lines(run / "dataset.jsonl")
+    assert len(rows) == 3 * 2 * 2 and all(r["responses_create_params"]["top_p"] == 0.9 for r in rows)
+    trained = [r for r in records if r["num_loss_tokens"]]
+    assert trained and all(abs(float(r["ratio_mean"]) - 1.0) < 1e-4 for r in trained)  # type: ignore[arg-type]
+    # KL to the frozen (post-warm-up) reference: 0 at the first update, > 0 once the policy moved
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-7)
+    assert any(float(r["kl"]) > 0 for r in records[1:])  # type: ignore[arg-type]
+    assert all(isinstance(r["truncated_masked"], int) for r in records)
+    # every group dynamic sampling left out is in failures.jsonl, with the step that dropped it
+    dropped = [f for f in _lines(run / "failures.jsonl") if f["failure_class"] == "zero_variance"]
+    assert sum(int(r["groups_zero_variance_dropped"]) for r in records) == len(dropped)  # type: ignore[call-overload]
+    assert sorted(i for r in records for i in r["zero_variance_task_indices"]) == sorted(  # type: ignore[attr-defined]
+        int(f["task_index"])
+        for f in dropped  # type: ignore[call-overload]
+    )
+
+
+def test_mask_truncated_from_the_launcher_masks_rollouts_cut_at_max_tokens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One generated token cannot hold an answer and its end token: every rollout is cut, none trains."""
+    run = tmp_path / "run"
+    argv = ["--native", "--steps", "1", "--prompts", "1", "--group-size", "2", "--no-progress"]
+    argv += ["--run-dir", str(run), "--set", "max_tokens=1", "--set", "trainer.mask_truncated=true"]
+    assert main(argv) == 0
+    (record,) = _lines(run / "metrics.jsonl")
+    assert record["truncated_masked"] == 2 and record["num_loss_tokens"] == 0
+    assert "truncated masked 2" in capsys.readouterr().out
+
+
+class _RowsWithTopP:
+    """An environment spec whose data generator asks for its own top_p."""
+
+    def check_params(self, params: dict[str, object]) -> None:
+        pass
+
+    def generate(self, n: int, seed: int, **params: object) -> list[dict[str, object]]:
+        return [{"responses_create_params": {"input": "hi", "top_p": 0.5}} for _ in range(n)]
+
+
+def test_a_dataset_row_asking_for_another_top_p_is_a_config_error(tmp_path: Path) -> None:
+    cfg = build_config(None, [("trainer.top_p", 0.9), ("steps", 1)], {"native": True})
+    with pytest.raises(ConfigError, match=r"row 0 asks for top_p=0.5 but the trainer scores with top_p=0.9"):
+        _write_dataset(cfg, _RowsWithTopP(), tmp_path / "dataset.jsonl")
+    with pytest.raises(ConfigError, match=r"trainer\.top_p"):
+        build_config(None, [("trainer.top_p", 0.0)], {})
