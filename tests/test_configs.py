@@ -43,3 +43,12 @@ def test_the_config_classes_defaults_are_the_shipped_default_config() -> None:
 
     shipped = load_config(DEFAULT_CONFIG, SmokeConfig)
     assert SmokeConfig().model_dump() == shipped.model_dump()
+
+
+def test_withhold_later_media_needs_the_native_path() -> None:
+    """The stale-prompt control edits the native generator's input; on the Gym path it is refused."""
+    from gymbridge.trainer.smoke import build_config
+
+    with pytest.raises(ConfigError, match="withhold_later_media needs native: true"):
+        build_config(None, [("withhold_later_media", True)], {"native": False})
+    assert build_config(None, [("withhold_later_media", True)], {"native": True}).withhold_later_media

@@ -169,6 +169,11 @@ class SmokeConfig(StrictModel):
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
+    withhold_later_media: bool = False
+    """Debug control (``native: true`` only): the generator's input keeps only the media of the
+    first model call's prompt; a tool's later image is withheld from it (placeholders removed) while
+    the trained turns keep it (``gymbridge.rollout.episode``, the stale-prompt control). A policy
+    that must read a tool's image then stays at chance (``configs/smoke_color_tool.yaml``)."""
 
     @field_validator("run_dir")
     @classmethod
@@ -184,6 +189,8 @@ class SmokeConfig(StrictModel):
             raise ValueError(
                 f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size})"
             )
+        if self.withhold_later_media and not self.native:
+            raise ValueError("withhold_later_media needs native: true (it edits the native input)")
         return self
 
 
@@ -449,7 +456,16 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 seed=cfg.seed if cfg.reproducible else None,
                 # the env's declared style, not a guess from the row (a tool env may offer no tools)
                 mode="gymnasium" if spec.style == "gymnasium" else "tools",
+                withhold_token_ids=(
+                    handle.generator.suppressed_token_ids if cfg.withhold_later_media else None
+                ),
             )
+            if cfg.withhold_later_media:
+                print(
+                    "withhold_later_media: the generator does not see media that arrive after the first "
+                    "model call (the stale-prompt control); the trained turns keep them",
+                    file=out,
+                )
         else:
             from gymbridge.client import GymClient
             from gymbridge.server import SimpleAgent

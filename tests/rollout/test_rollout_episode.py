@@ -177,3 +177,39 @@ def test_a_prompt_that_does_not_extend_the_history_is_refused(tiny_gen: HFGenera
     model._advance([1, 2, 3, 4, 5], [])  # extends: fine
     with pytest.raises(TrajectoryError, match="does not extend"):
         model._advance([1, 2, 9, 4, 5, 6], [])
+
+
+async def test_withhold_later_media_hides_tool_images_from_the_generator_only(
+    tiny_gen: HFGenerator, tiny: Any, zoom_env: str, zoom_row: dict[str, Any]
+) -> None:
+    """The stale-prompt control (``withhold_token_ids``): the generator's input after turn 0 has
+    neither the tool's crops nor their placeholders, while the recorded turns (what trains) keep them."""
+    scripted = ScriptedGenerator(tiny_gen, three_turn_script(tiny_gen))
+    model = NativeModel(
+        scripted,
+        tiny_gen.codec,
+        max_model_len=tiny_gen.max_model_len,
+        sampling=SAMPLING,
+        withhold_token_ids=tiny_gen.suppressed_token_ids,
+    )
+    result = await run_episode(scripted, zoom_env, zoom_row, max_turns=3, model=model)
+    crops = tool_image_keys(result)
+    assert len(crops) == 2
+    traj = from_gym_result(result)
+    assert [len(t.media) for t in traj.turns] == [1, 1, 1]  # the trained turns keep both crops
+    turn0, turn1, turn2 = model.inputs
+    for later in (turn1, turn2):
+        assert [m.key for m in later.media] == [turn0.media[0].key]  # the preview only
+        assert later.prompt_token_ids.count(tiny.image_token_id) == turn0.prompt_token_ids.count(
+            tiny.image_token_id
+        )
+        assert later.prompt_token_ids[: len(turn0.prompt_token_ids)] == turn0.prompt_token_ids
+    with pytest.raises(AssertionError, match="did not receive the tool's image"):
+        assert_sees_tool_image(turn1, crops[0], tiny.image_token_id, tiny)
+    # everything else reaches the generator: the tool's text, the earlier turns, token for token
+    t0, t1 = traj.turns[0], traj.turns[1]
+    hidden = set(tiny_gen.suppressed_token_ids)
+    kept = [t for t in t1.prompt_token_ids if t not in hidden]
+    expected = t0.prompt_token_ids + t0.generation_token_ids + kept
+    assert turn1.prompt_token_ids == expected
+    assert len(expected) < len(t0.prompt_token_ids + t0.generation_token_ids + t1.prompt_token_ids)
