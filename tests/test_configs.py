@@ -52,3 +52,10 @@ def test_withhold_later_media_needs_the_native_path() -> None:
     with pytest.raises(ConfigError, match="withhold_later_media needs native: true"):
         build_config(None, [("withhold_later_media", True)], {"native": False})
     assert build_config(None, [("withhold_later_media", True)], {"native": True}).withhold_later_media
+
+
+def test_force_first_call_needs_the_native_path() -> None:
+    from gymbridge.trainer.smoke import build_config
+
+    with pytest.raises(ConfigError, match="force_first_call needs native: true"):
+        build_config(None, [("force_first_call", "<tool_call>")], {"native": False})

@@ -21,6 +21,12 @@ only appends. So turn k's input holds all tokens so far and **all media so far**
 A prompt that does not extend the previous one, or media that are not the previous
 media plus new ones, raise ``TrajectoryError`` (the invariant is checked, not hoped).
 
+**A forced first call** (``forced_first_call``, off by default): the first model call of the
+rollout emits the given tokens instead of sampling (their logprobs are the generator's own,
+teacher-forced, via its ``score``), and every later call samples. A tiny model that cannot
+keep a long tool-call format under RL still reaches the tool's answer; the tokens are the
+same in every rollout of a row, so within a GRPO group their policy-gradient terms cancel.
+
 **The stale-prompt control** (``withhold_token_ids``, a debugging switch, off by default):
 the generator's input then keeps only the media of the first model call's prompt; media
 that arrive later (a tool's image) are withheld from it, their placeholder tokens (the
@@ -122,8 +128,10 @@ class NativeModel:
         sampling: SamplingConfig | None = None,
         default_max_tokens: int = 1024,
         withhold_token_ids: Sequence[int] | None = None,
+        forced_first_call: Sequence[int] | None = None,
     ) -> None:
         self.generator = generator
+        self.forced_first_call = list(forced_first_call) if forced_first_call is not None else None
         self.codec = codec
         self.max_model_len = max_model_len
         self.media_policy = media_policy
@@ -198,7 +206,10 @@ class NativeModel:
             }
         inp = await asyncio.to_thread(self._advance, prompt, media)
         self.inputs.append(inp)
-        gen = (await self.generator.generate([inp], sampling))[0]
+        if self.forced_first_call is not None and len(self.inputs) == 1:
+            gen = (await _scorer(self.generator).score([inp], [self.forced_first_call], sampling))[0]
+        else:
+            gen = (await self.generator.generate([inp], sampling))[0]
         self.history.append(gen.token_ids)
         if self._stale is not None:
             self._stale.append(gen.token_ids)
@@ -212,6 +223,18 @@ class NativeModel:
             "output": items_out,
             "usage": usage,
         }
+
+
+def _scorer(generator: Any) -> Any:
+    """The generator (or the one a batching wrapper holds) that can ``score`` forced tokens."""
+    while not hasattr(generator, "score"):
+        inner = getattr(generator, "inner", None)
+        if inner is None:
+            raise TrajectoryError(
+                f"forced_first_call needs a generator with score(); {type(generator).__name__}"
+            )
+        generator = inner
+    return generator
 
 
 class _Env:
@@ -305,6 +328,7 @@ async def run_episode(
     transport: httpx.AsyncBaseTransport | None = None,
     model: NativeModel | None = None,
     withhold_token_ids: Sequence[int] | None = None,
+    forced_first_call: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Play one rollout of ``row`` against the environment at ``env`` (a base URL); see the module docstring.
 
@@ -312,7 +336,8 @@ async def run_episode(
     (``/reset`` + ``/step``) otherwise. ``sampling`` (default: the row's
     ``temperature`` / ``top_p`` / ``max_output_tokens``) applies to every call.
     Pass ``model`` to inspect the inputs afterwards (``model.inputs``).
-    ``withhold_token_ids``: the stale-prompt control (module docstring).
+    ``withhold_token_ids``: the stale-prompt control; ``forced_first_call``: the forced first
+    call (module docstring).
     """
     if max_turns < 1:
         raise ValueError("max_turns must be >= 1")
@@ -333,6 +358,7 @@ async def run_episode(
             sampling=sampling,
             default_max_tokens=default_max_tokens,
             withhold_token_ids=withhold_token_ids,
+            forced_first_call=forced_first_call,
         )
     if mode == "auto":
         mode = "tools" if rcp.get("tools") else "gymnasium"

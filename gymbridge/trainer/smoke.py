@@ -169,6 +169,10 @@ class SmokeConfig(StrictModel):
     """``trainer.temperature`` is also the sampling temperature of the rollouts."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
     """Where the generator runs (``placement: in_process | process``) and weight publication."""
+    force_first_call: str | None = None
+    """``native: true`` only: the text the first model call of every rollout emits (tokenized, plus end
+    of turn; scored, not sampled: ``gymbridge.rollout.episode``), e.g. the ``look`` call of
+    ``configs/smoke_color_tool.yaml``; every later call samples. ``None``: every call samples."""
     withhold_later_media: bool = False
     """Debug control (``native: true`` only): the generator's input keeps only the media of the
     first model call's prompt; a tool's later image is withheld from it (placeholders removed) while
@@ -189,6 +193,8 @@ class SmokeConfig(StrictModel):
             raise ValueError(
                 f"min_group_size ({self.min_group_size}) is larger than group_size ({self.group_size})"
             )
+        if self.force_first_call is not None and not self.native:
+            raise ValueError("force_first_call needs native: true (it forces the native generator's output)")
         if self.withhold_later_media and not self.native:
             raise ValueError("withhold_later_media needs native: true (it edits the native input)")
         return self
@@ -314,6 +320,14 @@ def _group_rewards(groups: list[Any]) -> tuple[float, float]:
     if not env:
         return 0.0, 0.0
     return sum(env) / len(env), sum(bonus) / len(bonus)
+
+
+def _forced_tokens(text: str | None, generator: Any) -> list[int] | None:
+    """``text`` as the generator's tokens plus its end of turn (``force_first_call``)."""
+    if text is None:
+        return None
+    ids = [int(t) for t in generator.tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return [*ids, generator.codec.end_of_turn_id]
 
 
 def _placement_line(handle: Any, sync_s: float) -> str:
@@ -459,7 +473,13 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 withhold_token_ids=(
                     handle.generator.suppressed_token_ids if cfg.withhold_later_media else None
                 ),
+                forced_first_call=_forced_tokens(cfg.force_first_call, handle.generator),
             )
+            if cfg.force_first_call is not None:
+                print(
+                    f"force_first_call: every rollout's first model call is {cfg.force_first_call!r}",
+                    file=out,
+                )
             if cfg.withhold_later_media:
                 print(
                     "withhold_later_media: the generator does not see media that arrive after the first "

@@ -213,3 +213,34 @@ async def test_withhold_later_media_hides_tool_images_from_the_generator_only(
     expected = t0.prompt_token_ids + t0.generation_token_ids + kept
     assert turn1.prompt_token_ids == expected
     assert len(expected) < len(t0.prompt_token_ids + t0.generation_token_ids + t1.prompt_token_ids)
+
+
+async def test_forced_first_call_reaches_the_tool_image_and_then_samples(
+    tiny_gen: HFGenerator, tiny: Any
+) -> None:
+    """``forced_first_call``: the first model call emits the given tokens (scored with the model's own
+    logprobs), the tool's image reaches the second call, which samples."""
+    from gymbridge.server import start_server
+    from gymbridge_envs.color_pick.data import LOOK_CALL
+    from gymbridge_envs.registry import get_env
+
+    spec = get_env("color_pick")
+    row = spec.make_row(0, 0, reveal="tool")
+    call = tiny_gen.tokenizer(LOOK_CALL, add_special_tokens=False)["input_ids"]
+    forced = [*call, tiny_gen.codec.end_of_turn_id]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=4, seed=3)
+    async with await start_server(spec.make_server()) as env:
+        model = NativeModel(
+            tiny_gen,
+            tiny_gen.codec,
+            max_model_len=tiny_gen.max_model_len,
+            sampling=sampling,
+            forced_first_call=forced,
+        )
+        result = await run_episode(tiny_gen, env.url, row, max_turns=2, model=model)
+    traj = from_gym_result(result)
+    assert [t.kind for t in traj.turns] == ["function_call", "message"]
+    assert traj.turns[0].generation_token_ids == forced
+    assert len(traj.turns[1].media) == 1  # the look image, at the second call
+    assert [m.key for m in model.inputs[1].media] == [traj.turns[1].media[0].key]
+    assert max_logprob_diff(tiny, traj, sampling) < 1e-5  # forced tokens carry the model's own logprobs
