@@ -72,3 +72,19 @@ def test_a_bad_set_names_the_key() -> None:
         build_config(None, ["trainer.lrr=1"], {})
     with pytest.raises(ConfigError, match=r"steps: .*integer"):
         build_config(None, ["steps=many"], {})
+
+
+def test_withhold_later_media_needs_the_native_path() -> None:
+    """The stale-prompt control edits the native generator's input; on the Gym path it is refused."""
+    from gymbridge.launch.smoke import build_config
+
+    with pytest.raises(ConfigError, match="withhold_later_media needs native: true"):
+        build_config(None, [("withhold_later_media", True)], {"native": False})
+    assert build_config(None, [("withhold_later_media", True)], {"native": True}).withhold_later_media
+
+
+def test_force_first_call_needs_the_native_path() -> None:
+    from gymbridge.launch.smoke import build_config
+
+    with pytest.raises(ConfigError, match="force_first_call needs native: true"):
+        build_config(None, [("force_first_call", "<tool_call>")], {"native": False})

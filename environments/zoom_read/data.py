@@ -230,3 +230,23 @@ def answer_reward(target_value: str, answered: object) -> float:
     """1.0 when the answered digits equal the target's, else 0.0."""
     got = normalize_answer(answered)
     return 1.0 if got is not None and got == normalize_answer(target_value) else 0.0
+
+
+def zoom_call_text(bbox: Sequence[int]) -> str:
+    """The Hermes-style text of one ``zoom`` call (what the tiny model's chat template renders)."""
+    args = ", ".join(str(int(v)) for v in bbox)
+    return f'<tool_call>\n{{"name": "zoom", "arguments": {{"bbox": [{args}]}}}}\n</tool_call>'
+
+
+def format_examples(row: Mapping[str, Any], rng: random.Random) -> list[tuple[list[dict[str, Any]], str]]:
+    """Image-independent warm-up targets for ``row``: the ``zoom`` call's format only.
+
+    The target of the first model call is a zoom of the whole canvas, ``[0, 0, S, S]`` for a
+    canvas of side ``S``: the same for every row of a canvas size, whatever the preview shows,
+    so the warm-up teaches the call's format (the model then zooms, and the crop reaches the
+    next model call as a tool image) and never where the red box is or what it says.
+    ``rng`` is unused (one target per row).
+    """
+    del rng
+    side = int(row["scene"]["canvas_size"])
+    return [(list(row["responses_create_params"]["input"]), zoom_call_text([0, 0, side, side]))]

@@ -203,6 +203,15 @@ class SmokeConfig(StrictModel):
     """Generation backend of ``model: PATH``: ``vllm`` (GPU) serves it with vLLM in a child process."""
     model_port: int = Field(0, ge=0, le=65535)
     """Port of the model server the run starts (0: a free one); a separate agent is configured with it."""
+    force_first_call: str | None = None
+    """``native: true`` only: the text the first model call of every rollout emits (tokenized, plus end
+    of turn; scored, not sampled: ``gymbridge.rollout.episode``), e.g. the ``look`` call of
+    ``configs/smoke_color_tool.yaml``; every later call samples. ``None``: every call samples."""
+    withhold_later_media: bool = False
+    """Debug control (``native: true`` only): the generator's input keeps only the media of the
+    first model call's prompt; a tool's later image is withheld from it (placeholders removed) while
+    the trained turns keep it (``gymbridge.rollout.episode``, the stale-prompt control). A policy
+    that must read a tool's image then stays at chance (``configs/smoke_color_tool.yaml``)."""
 
     @field_validator("run_dir")
     @classmethod
@@ -233,6 +242,10 @@ class SmokeConfig(StrictModel):
                 "process builds its model in float32, so the published weights would not fit it; "
                 "use generator.placement=in_process (its generator is built in the trainer's dtype)"
             )
+        if self.force_first_call is not None and not self.native:
+            raise ValueError("force_first_call needs native: true (it forces the native generator's output)")
+        if self.withhold_later_media and not self.native:
+            raise ValueError("withhold_later_media needs native: true (it edits the native input)")
         return self
 
 
@@ -373,6 +386,14 @@ def _group_rewards(groups: list[Any]) -> tuple[float, float]:
     if not env:
         return 0.0, 0.0
     return sum(env) / len(env), sum(bonus) / len(bonus)
+
+
+def _forced_tokens(text: str | None, generator: Any) -> list[int] | None:
+    """``text`` as the generator's tokens plus its end of turn (``force_first_call``)."""
+    if text is None:
+        return None
+    ids = [int(t) for t in generator.tokenizer(text, add_special_tokens=False)["input_ids"]]
+    return [*ids, generator.codec.end_of_turn_id]
 
 
 def _placement_line(handle: Any, sync_s: float) -> str:
@@ -566,7 +587,22 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 seed=cfg.seed if cfg.reproducible else None,
                 # the env's declared style, not a guess from the row (a tool env may offer no tools)
                 mode="gymnasium" if spec is not None and spec.style == "gymnasium" else "tools",
+                withhold_token_ids=(
+                    handle.generator.suppressed_token_ids if cfg.withhold_later_media else None
+                ),
+                forced_first_call=_forced_tokens(cfg.force_first_call, handle.generator),
             )
+            if cfg.force_first_call is not None:
+                print(
+                    f"force_first_call: every rollout's first model call is {cfg.force_first_call!r}",
+                    file=out,
+                )
+            if cfg.withhold_later_media:
+                print(
+                    "withhold_later_media: the generator does not see media that arrive after the first "
+                    "model call (the stale-prompt control); the trained turns keep them",
+                    file=out,
+                )
         else:
             from gymbridge.client import GymClient
             from gymbridge.server import SimpleAgent

@@ -21,6 +21,19 @@ only appends. So turn k's input holds all tokens so far and **all media so far**
 A prompt that does not extend the previous one, or media that are not the previous
 media plus new ones, raise ``TrajectoryError`` (the invariant is checked, not hoped).
 
+**A forced first call** (``forced_first_call``, off by default): the first model call of the
+rollout emits the given tokens instead of sampling (their logprobs are the generator's own,
+teacher-forced, via its ``score``), and every later call samples. A tiny model that cannot
+keep a long tool-call format under RL still reaches the tool's answer; the tokens are the
+same in every rollout of a row, so within a GRPO group their policy-gradient terms cancel.
+
+**The stale-prompt control** (``withhold_token_ids``, a debugging switch, off by default):
+the generator's input then keeps only the media of the first model call's prompt; media
+that arrive later (a tool's image) are withheld from it, their placeholder tokens (the
+given ids, e.g. ``HFGenerator.suppressed_token_ids``) removed, while the rollout's recorded
+turns (what the trainer trains on) still hold them. A policy whose decision depends on a
+later image cannot learn under it (the launcher's ``withhold_later_media``).
+
 Every HTTP call to the environment has a deadline (``timeout_s``); environment
 failures surface as ``EnvError`` subclasses (an environment that lost the session:
 ``EnvSessionLostError``). Only the tools the row offers are ever called, never a
@@ -35,7 +48,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import httpx
@@ -114,8 +127,11 @@ class NativeModel:
         media_policy: MediaPolicy | None = None,
         sampling: SamplingConfig | None = None,
         default_max_tokens: int = 1024,
+        withhold_token_ids: Sequence[int] | None = None,
+        forced_first_call: Sequence[int] | None = None,
     ) -> None:
         self.generator = generator
+        self.forced_first_call = list(forced_first_call) if forced_first_call is not None else None
         self.codec = codec
         self.max_model_len = max_model_len
         self.media_policy = media_policy
@@ -123,6 +139,9 @@ class NativeModel:
         self.default_max_tokens = default_max_tokens
         self.history = ConversationHistory()
         self.inputs: list[Any] = []
+        self.withhold_token_ids = frozenset(withhold_token_ids) if withhold_token_ids is not None else None
+        self._stale: ConversationHistory | None = None
+        """The generator's own view under the stale-prompt control (module docstring)."""
 
     def _sampling_for(self, rcp: Mapping[str, Any], prompt_len: int) -> SamplingConfig:
         base = self.sampling if self.sampling is not None else row_sampling(rcp, self.default_max_tokens)
@@ -142,8 +161,17 @@ class NativeModel:
             a.key != b.key for a, b in zip(media, seen_media, strict=False)
         ):
             raise TrajectoryError("the conversation's media are not the previous media plus new ones")
-        self.history.append(prompt[len(seen) :], media[len(seen_media) :])
-        return build_generation_input(self.history)
+        delta, new_media = prompt[len(seen) :], media[len(seen_media) :]
+        self.history.append(delta, new_media)
+        if self.withhold_token_ids is None:
+            return build_generation_input(self.history)
+        if self._stale is None:  # the first call's prompt: as it is, media included
+            self._stale = ConversationHistory()
+            self._stale.append(delta, new_media)
+        else:  # later media withheld, with their placeholder tokens
+            drop = self.withhold_token_ids if new_media else frozenset()
+            self._stale.append([t for t in delta if t not in drop])
+        return build_generation_input(self._stale)
 
     async def respond(self, rcp: Mapping[str, Any], items: list[Any]) -> dict[str, Any]:
         """One model call over ``items``; a Responses object with token fields on its last item."""
@@ -178,8 +206,13 @@ class NativeModel:
             }
         inp = await asyncio.to_thread(self._advance, prompt, media)
         self.inputs.append(inp)
-        gen = (await self.generator.generate([inp], sampling))[0]
+        if self.forced_first_call is not None and len(self.inputs) == 1:
+            gen = (await _scorer(self.generator).score([inp], [self.forced_first_call], sampling))[0]
+        else:
+            gen = (await self.generator.generate([inp], sampling))[0]
         self.history.append(gen.token_ids)
+        if self._stale is not None:
+            self._stale.append(gen.token_ids)
         items_out = response_items(self.codec.parse(gen.token_ids), gen, prompt)
         incomplete = gen.finish_reason == "length"
         usage = {"input_tokens": len(prompt), "output_tokens": len(gen.token_ids)}
@@ -190,6 +223,18 @@ class NativeModel:
             "output": items_out,
             "usage": usage,
         }
+
+
+def _scorer(generator: Any) -> Any:
+    """The generator (or the one a batching wrapper holds) that can ``score`` forced tokens."""
+    while not hasattr(generator, "score"):
+        inner = getattr(generator, "inner", None)
+        if inner is None:
+            raise TrajectoryError(
+                f"forced_first_call needs a generator with score(); {type(generator).__name__}"
+            )
+        generator = inner
+    return generator
 
 
 class _Env:
@@ -282,6 +327,8 @@ async def run_episode(
     timeout_s: float = 60.0,
     transport: httpx.AsyncBaseTransport | None = None,
     model: NativeModel | None = None,
+    withhold_token_ids: Sequence[int] | None = None,
+    forced_first_call: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """Play one rollout of ``row`` against the environment at ``env`` (a base URL); see the module docstring.
 
@@ -289,6 +336,8 @@ async def run_episode(
     (``/reset`` + ``/step``) otherwise. ``sampling`` (default: the row's
     ``temperature`` / ``top_p`` / ``max_output_tokens``) applies to every call.
     Pass ``model`` to inspect the inputs afterwards (``model.inputs``).
+    ``withhold_token_ids``: the stale-prompt control; ``forced_first_call``: the forced first
+    call (module docstring).
     """
     if max_turns < 1:
         raise ValueError("max_turns must be >= 1")
@@ -308,6 +357,8 @@ async def run_episode(
             media_policy=media_policy,
             sampling=sampling,
             default_max_tokens=default_max_tokens,
+            withhold_token_ids=withhold_token_ids,
+            forced_first_call=forced_first_call,
         )
     if mode == "auto":
         mode = "tools" if rcp.get("tools") else "gymnasium"

@@ -177,3 +177,70 @@ def test_a_prompt_that_does_not_extend_the_history_is_refused(tiny_gen: HFGenera
     model._advance([1, 2, 3, 4, 5], [])  # extends: fine
     with pytest.raises(TrajectoryError, match="does not extend"):
         model._advance([1, 2, 9, 4, 5, 6], [])
+
+
+async def test_withhold_later_media_hides_tool_images_from_the_generator_only(
+    tiny_gen: HFGenerator, tiny: Any, zoom_env: str, zoom_row: dict[str, Any]
+) -> None:
+    """The stale-prompt control (``withhold_token_ids``): the generator's input after turn 0 has
+    neither the tool's crops nor their placeholders, while the recorded turns (what trains) keep them."""
+    scripted = ScriptedGenerator(tiny_gen, three_turn_script(tiny_gen))
+    model = NativeModel(
+        scripted,
+        tiny_gen.codec,
+        max_model_len=tiny_gen.max_model_len,
+        sampling=SAMPLING,
+        withhold_token_ids=tiny_gen.suppressed_token_ids,
+    )
+    result = await run_episode(scripted, zoom_env, zoom_row, max_turns=3, model=model)
+    crops = tool_image_keys(result)
+    assert len(crops) == 2
+    traj = from_gym_result(result)
+    assert [len(t.media) for t in traj.turns] == [1, 1, 1]  # the trained turns keep both crops
+    turn0, turn1, turn2 = model.inputs
+    for later in (turn1, turn2):
+        assert [m.key for m in later.media] == [turn0.media[0].key]  # the preview only
+        assert later.prompt_token_ids.count(tiny.image_token_id) == turn0.prompt_token_ids.count(
+            tiny.image_token_id
+        )
+        assert later.prompt_token_ids[: len(turn0.prompt_token_ids)] == turn0.prompt_token_ids
+    with pytest.raises(AssertionError, match="did not receive the tool's image"):
+        assert_sees_tool_image(turn1, crops[0], tiny.image_token_id, tiny)
+    # everything else reaches the generator: the tool's text, the earlier turns, token for token
+    t0, t1 = traj.turns[0], traj.turns[1]
+    hidden = set(tiny_gen.suppressed_token_ids)
+    kept = [t for t in t1.prompt_token_ids if t not in hidden]
+    expected = t0.prompt_token_ids + t0.generation_token_ids + kept
+    assert turn1.prompt_token_ids == expected
+    assert len(expected) < len(t0.prompt_token_ids + t0.generation_token_ids + t1.prompt_token_ids)
+
+
+async def test_forced_first_call_reaches_the_tool_image_and_then_samples(
+    tiny_gen: HFGenerator, tiny: Any
+) -> None:
+    """``forced_first_call``: the first model call emits the given tokens (scored with the model's own
+    logprobs), the tool's image reaches the second call, which samples."""
+    from gymbridge.server import start_server
+    from gymbridge_envs.color_pick.data import LOOK_CALL
+    from gymbridge_envs.registry import get_env
+
+    spec = get_env("color_pick")
+    row = spec.make_row(0, 0, reveal="tool")
+    call = tiny_gen.tokenizer(LOOK_CALL, add_special_tokens=False)["input_ids"]
+    forced = [*call, tiny_gen.codec.end_of_turn_id]
+    sampling = SamplingConfig(temperature=1.0, max_tokens=4, seed=3)
+    async with await start_server(spec.make_server()) as env:
+        model = NativeModel(
+            tiny_gen,
+            tiny_gen.codec,
+            max_model_len=tiny_gen.max_model_len,
+            sampling=sampling,
+            forced_first_call=forced,
+        )
+        result = await run_episode(tiny_gen, env.url, row, max_turns=2, model=model)
+    traj = from_gym_result(result)
+    assert [t.kind for t in traj.turns] == ["function_call", "message"]
+    assert traj.turns[0].generation_token_ids == forced
+    assert len(traj.turns[1].media) == 1  # the look image, at the second call
+    assert [m.key for m in model.inputs[1].media] == [traj.turns[1].media[0].key]
+    assert max_logprob_diff(tiny, traj, sampling) < 1e-5  # forced tokens carry the model's own logprobs

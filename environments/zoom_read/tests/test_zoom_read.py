@@ -166,3 +166,19 @@ async def test_concurrent_sessions_of_one_prompt_render_the_canvas_once(
     async with running(ZoomReadServer()) as url:
         statuses = await asyncio.gather(*(one_session(url) for _ in range(8)))
     assert statuses == [200] * 8 and len(calls) == 1
+
+
+def test_format_examples_teach_the_zoom_call_never_the_answer() -> None:
+    """The warm-up target is a whole-canvas zoom: the same for every row of a canvas size, a valid call."""
+    import json
+    import random
+
+    from gymbridge_envs.zoom_read.data import format_examples, zoom_call_text
+
+    rows = list(generate(6, 3, **SMALL))
+    assert len({r["target_value"] for r in rows}) > 1
+    targets = {t for r in rows for _, t in format_examples(r, random.Random(0))}
+    assert targets == {zoom_call_text([0, 0, 512, 512])}
+    body = zoom_call_text([0, 0, 512, 512]).removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")
+    assert json.loads(body) == {"name": "zoom", "arguments": {"bbox": [0, 0, 512, 512]}}
+    assert format_examples(rows[0], random.Random(1))[0][0] == rows[0]["responses_create_params"]["input"]
