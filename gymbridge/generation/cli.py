@@ -69,6 +69,12 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--allowed-local-root", action="append", default=[], help="media: allowed file:// root")
     p.add_argument("--allowed-http-host", action="append", default=[], help="media: allowed http(s) host")
+    p.add_argument(
+        "--media-host",
+        action="append",
+        default=[],
+        help="media: HOST:PORT of a gymbridge media store (references fetched there are verified by key)",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -156,6 +162,7 @@ async def _serve(args: argparse.Namespace) -> None:
     policy = MediaPolicy(
         allowed_local_roots=tuple(Path(r) for r in args.allowed_local_root),
         allowed_http_hosts=tuple(args.allowed_http_host),
+        media_hosts=tuple(args.media_host),
     )
     sink: Any = None
     if args.enable_weight_updates:
