@@ -73,7 +73,15 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--media-host",
         action="append",
         default=[],
-        help="media: HOST:PORT of a gymbridge media store (references fetched there are verified by key)",
+        help="media: host:port of a gymbridge media store (its /media/<key> references are fetched once "
+        "and verified by key)",
+    )
+    p.add_argument(
+        "--media-cache-bytes",
+        type=int,
+        default=None,
+        help="bound of the cache of fetched / decoded / processed media by content key "
+        "(default 512 MiB; 0: off); counters at GET /media_cache",
     )
     p.set_defaults(func=_cmd_serve)
 
@@ -158,6 +166,7 @@ async def _serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens,
         reasoning_parser=not args.no_reasoning_parser,
         max_batch_size=args.max_batch_size,
+        **({} if args.media_cache_bytes is None else {"media_cache_bytes": args.media_cache_bytes}),
     )
     policy = MediaPolicy(
         allowed_local_roots=tuple(Path(r) for r in args.allowed_local_root),

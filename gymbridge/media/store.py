@@ -24,7 +24,10 @@ can load it; gymbridge's own fetch verifies the bytes against the key
 :class:`MediaServer` invariants:
 
 * answers only ``GET`` and ``HEAD`` of ``/media/<64 lower-case hex>`` (plus ``GET
-  /health``); anything else is 404 (unknown path or key) or 405 (another method);
+  /health``) and ``PUT /media/<key>`` (an upload, e.g. an agent storing a tool's image:
+  stored only when the body hashes to ``key``, else 400; 201 new, 200 already stored,
+  the key as the body; over ``max_bytes`` or 256 MiB 413); anything else is 404
+  (unknown path or key) or 405 (another method);
 * a peer whose address is neither loopback nor in ``allowed_peers`` gets 403 before
   the path is even looked at;
 * the body is exactly the stored bytes (verified by ``MediaStore.get``; a corrupt
@@ -63,6 +66,8 @@ MEDIA_PATH_PREFIX = "/media/"
 _KEY = re.compile(r"[0-9a-f]{64}")
 _REF_PATH = re.compile(r"(?:^|/)media/([0-9a-f]{64})$")
 _IMMUTABLE = "public, max-age=31536000, immutable"
+_MAX_UPLOAD_BYTES = 256 * 1024 * 1024
+"""One upload's limit when the store sets no ``max_bytes``."""
 
 
 def is_content_key(key: object) -> bool:
@@ -201,7 +206,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         if status == HTTPStatus.METHOD_NOT_ALLOWED:
-            self.send_header("Allow", "GET, HEAD")
+            self.send_header("Allow", "GET, HEAD, PUT")
         self.end_headers()
         if body:
             self.wfile.write(data)
@@ -252,9 +257,41 @@ class _Handler(BaseHTTPRequestHandler):
         self._serve(body=False)
 
     def _refuse_method(self) -> None:
-        self._plain(HTTPStatus.METHOD_NOT_ALLOWED, "only GET and HEAD", close=True)
+        self._plain(HTTPStatus.METHOD_NOT_ALLOWED, "only GET, HEAD and PUT", close=True)
 
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
+    def do_PUT(self) -> None:
+        """Upload: ``PUT /media/<key>`` stores the body when it hashes to ``key``; answers the key."""
+        if not _peer_allowed(self.client_address[0], self.server.allowed_peers):
+            self._plain(HTTPStatus.FORBIDDEN, "only loopback and listed hosts may store", close=True)
+            return
+        path = self.path.split("?", 1)[0]
+        key = path[len(MEDIA_PATH_PREFIX) :] if path.startswith(MEDIA_PATH_PREFIX) else ""
+        if not is_content_key(key):
+            self._plain(HTTPStatus.NOT_FOUND, "PUT only to /media/<content key>", close=True)
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            self._plain(HTTPStatus.LENGTH_REQUIRED, "Content-Length required", close=True)
+            return
+        limit = self.server.store.max_bytes or _MAX_UPLOAD_BYTES
+        if length <= 0 or length > limit:
+            self._plain(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"1..{limit} bytes per medium", close=True)
+            return
+        raw = self.rfile.read(length)
+        if len(raw) != length or content_key(raw) != key:
+            self._plain(HTTPStatus.BAD_REQUEST, "the body does not hash to the key in the path")
+            return
+        existed = self.server.store.has(key)
+        try:
+            self.server.store.put(raw)
+        except (MediaError, OSError) as exc:
+            logger.error("media server: upload of %s failed: %s", key, exc)
+            self._plain(HTTPStatus.INTERNAL_SERVER_ERROR, "cannot store the medium")
+            return
+        self._plain(HTTPStatus.OK if existed else HTTPStatus.CREATED, key)
+
+    do_POST = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
 
 
 class _Server(ThreadingHTTPServer):

@@ -18,7 +18,8 @@ segment / reference counts:
 
 ``PayloadMeter`` accumulates those stats per named boundary (docs/design.md, "Payload boundaries":
 ``gym_request``, ``gym_return``, ``prompt_repeat``, ``rollout_to_policy``,
-``replay_push``, ``replay_sample``, ``policy_shard``, ``generation``), with per-shard
+``replay_push``, ``replay_sample``, ``policy_shard``, ``generation``, and ``model_request``:
+agent -> model server JSON, recorded by the agent with :meth:`PayloadMeter.record_stats`), with per-shard
 totals and maxima. It is **off by default** (measuring costs one serialisation per
 record) and prints a table.
 
@@ -58,6 +59,7 @@ BOUNDARIES: tuple[str, ...] = (
     "replay_sample",
     "policy_shard",
     "generation",
+    "model_request",
 )
 """The named boundaries (docs/design.md, "Payload boundaries")."""
 
@@ -300,6 +302,15 @@ class PayloadMeter:
             self._totals.setdefault(boundary, BoundaryTotals()).add(stats, shard)
         logger.debug("payload %s shard=%s: %d bytes", boundary, shard, stats.serialized_bytes)
         return stats
+
+    def record_stats(self, boundary: str, stats: PayloadStats, *, shard: int | None = None) -> None:
+        """Add stats measured elsewhere (e.g. a JSON body's media, ``model_request``) to ``boundary``."""
+        if boundary not in self.boundaries:
+            raise ValueError(f"unknown payload boundary {boundary!r}; known: {', '.join(self.boundaries)}")
+        if not self.enabled:
+            return
+        with self._lock:
+            self._totals.setdefault(boundary, BoundaryTotals()).add(stats, shard)
 
     def report(self) -> dict[str, BoundaryTotals]:
         """Totals per boundary, in the order of :attr:`boundaries` (only boundaries with records).

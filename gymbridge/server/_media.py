@@ -1,0 +1,255 @@
+"""Media by reference in the agent: inline media become media-store references, once.
+
+A Responses-API conversation is stateless: every model call re-sends the whole
+conversation, so with inline ``data:`` URLs turn t of an episode carries every image of
+turns 1..t and the bytes an episode sends to the model server grow with the square of
+its turns. :class:`MediaReferencer` turns each inline medium into an ordinary ``http``
+URL on a gymbridge media server (``<media_store_url>/media/<content key>``, see
+:mod:`gymbridge.media.store`), so each image crosses the agent -> model boundary as its
+bytes once (the model server fetches it once, by key) and as a ~100-byte URL afterwards.
+
+Invariants:
+
+* the items given are never mutated: a changed part is a new dict in a new list;
+  everything that is not an inline medium (text, http URLs, references, token fields,
+  unknown items) is passed through as the same object;
+* a medium is replaced only when its bytes are stored: the store answers the upload
+  with the content key the bytes hash to (:func:`gymbridge.media.hashing.content_key`);
+  a different key (the reference would name other bytes) or a refused upload is an
+  :class:`~gymbridge.errors.EnvServerError`, an unreachable or slow store an
+  ``EnvTransportError`` / ``EnvTimeoutError``. So the model server decodes exactly the
+  bytes it would have decoded inline, and the content keys are the same with
+  references on or off;
+* each distinct content key is uploaded at most once per referencer (``HEAD`` first: a
+  medium the bridge or another agent already stored is not sent again);
+* inline media are found with :func:`gymbridge.protocol.media_ref_of_part`, the rule
+  the model server and the trajectory layer read media with: ``input_image`` /
+  ``input_audio`` / ``input_video`` (and their chat spellings) in message content and in
+  ``function_call_output.output`` part lists. A tool output that *is* a bare data URL
+  string stays inline (a bare http URL there would read as text, not media).
+
+:func:`request_media_stats` measures one model request for the ``model_request``
+payload boundary: physical media bytes are the media bytes the body actually carries
+(each inline data URL, each reference URL), logical media bytes what it would carry with
+every medium inline (a reference counts the data URL it stands for).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError, ProtocolError
+from gymbridge.media.hashing import content_key
+from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
+from gymbridge.media.store import MEDIA_PATH_PREFIX, parse_media_ref
+from gymbridge.metrics import PayloadStats
+from gymbridge.protocol import media_ref_of_part
+
+__all__ = ["MediaReferencer", "request_media_stats"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_INLINE_BYTES = 256 * 1024 * 1024
+"""The largest inline medium the agent decodes to store (a bigger one stays inline)."""
+
+
+def _media_key_of(part: Mapping[str, Any]) -> str | None:
+    """The part's key that holds its reference (``image_url`` etc.), for parts with one."""
+    try:
+        ref = media_ref_of_part(part)
+    except ProtocolError:
+        return None
+    if ref is None:
+        return None
+    source = ref[0]
+    for key, value in part.items():
+        if value == source or (isinstance(value, Mapping) and value.get("url") == source):
+            return key
+    return None
+
+
+def _inline_source(part: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(part key, data URL)`` of an inline medium part, else ``None``."""
+    key = _media_key_of(part)
+    if key is None:
+        return None
+    value = part[key]
+    url = value if isinstance(value, str) else value.get("url")
+    if isinstance(url, str) and url[:5].lower() == "data:":
+        return key, url
+    return None
+
+
+class MediaReferencer:
+    """Replace inline media of conversation items with references on one media store.
+
+    ``store_url`` is the media server's base URL (``http://127.0.0.1:PORT``); uploads go
+    to ``PUT <store_url>/media/<key>`` with ``client`` (the agent's session).
+    """
+
+    def __init__(self, store_url: str, *, timeout_s: float = 60.0, max_known: int = 1_000_000) -> None:
+        self.store_url = store_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.max_known = max_known
+        self._known: dict[str, int] = {}
+        """Content key -> length of the data URL it replaced (the logical bytes of a reference)."""
+        self.uploads = 0
+        """Media bodies actually sent to the store (a key the store had already is not sent)."""
+        self.upload_bytes = 0
+
+    def url_for(self, key: str) -> str:
+        return f"{self.store_url}{MEDIA_PATH_PREFIX}{key}"
+
+    def inline_size(self, key: str) -> int | None:
+        """The length of the data URL a reference to ``key`` replaced, when this referencer made it."""
+        return self._known.get(key)
+
+    async def _store(self, client: aiohttp.ClientSession, raw: bytes, key: str) -> None:
+        url = self.url_for(key)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with client.head(url, timeout=timeout) as head:
+                if head.status == 200:
+                    return
+            async with client.put(
+                url, data=raw, timeout=timeout, headers={"Content-Type": "application/octet-stream"}
+            ) as reply:
+                text = await reply.text()
+                if reply.status not in (200, 201):
+                    raise EnvServerError(
+                        f"media store {self.store_url} refused an upload: HTTP {reply.status}: {text[:500]}",
+                        status=reply.status,
+                        body=text[:2000],
+                        server=self.store_url,
+                    )
+                if text.strip() != key:
+                    raise EnvServerError(
+                        f"media store {self.store_url} stored {len(raw)} bytes under {text.strip()[:80]!r}, "
+                        f"not their content key {key}",
+                        status=reply.status,
+                        body=text[:2000],
+                        server=self.store_url,
+                    )
+        except TimeoutError as exc:
+            raise EnvTimeoutError(
+                f"media store {self.store_url}: upload timed out", server=self.store_url
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise EnvTransportError(
+                f"media store {self.store_url} unreachable: {exc}", server=self.store_url
+            ) from exc
+        self.uploads += 1
+        self.upload_bytes += len(raw)
+
+    async def reference(self, client: aiohttp.ClientSession, data_url: str) -> str | None:
+        """The reference for ``data_url`` (its bytes stored first), or ``None`` to keep it inline."""
+        try:
+            ref = parse_ref(data_url)
+            if not isinstance(ref, DataRef):
+                return None
+            raw = decode_data_payload(ref, max_bytes=_MAX_INLINE_BYTES, source=data_url)
+        except MediaError as exc:
+            logger.debug("keeping an inline medium inline (%s)", exc)
+            return None  # the model server refuses it with its own, precise error
+        key = content_key(raw)
+        if key not in self._known:
+            await self._store(client, raw, key)
+            if len(self._known) >= self.max_known:
+                self._known.clear()  # only an upload-saving memo: forgetting costs one HEAD
+            self._known[key] = len(data_url)
+        return self.url_for(key)
+
+    async def _part(self, client: aiohttp.ClientSession, part: Any) -> Any:
+        if not isinstance(part, Mapping):
+            return part
+        inline = _inline_source(part)
+        if inline is None:
+            return part
+        key, url = inline
+        reference = await self.reference(client, url)
+        if reference is None:
+            return part
+        value = part[key]
+        return {**part, key: reference if isinstance(value, str) else {**value, "url": reference}}
+
+    async def _parts(self, client: aiohttp.ClientSession, parts: Any) -> Any:
+        if not isinstance(parts, list):
+            return parts
+        out = [await self._part(client, p) for p in parts]
+        return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
+
+    async def item(self, client: aiohttp.ClientSession, item: Any) -> Any:
+        """``item`` with its inline media referenced (the same object when it has none)."""
+        if not isinstance(item, Mapping):
+            return item
+        kind = item.get("type", "message")
+        if kind == "message" and "content" in item:
+            content = await self._parts(client, item["content"])
+            return item if content is item["content"] else {**item, "content": content}
+        if kind == "function_call_output" and isinstance(item.get("output"), list):
+            output = await self._parts(client, item["output"])
+            return item if output is item["output"] else {**item, "output": output}
+        return item
+
+    async def items(self, client: aiohttp.ClientSession, items: Iterable[Any]) -> list[Any]:
+        """Every item with its inline media referenced (a new list; the items are not mutated)."""
+        return [await self.item(client, i) for i in items]
+
+
+def _media_urls(items: Any) -> Iterable[str]:
+    if not isinstance(items, list):
+        return
+    for item in items:
+        if not isinstance(item, Mapping):
+            continue
+        kind = item.get("type", "message")
+        parts = item.get("content") if kind == "message" else item.get("output")
+        if kind == "function_call_output" and isinstance(parts, str):
+            if parts[:5].lower() == "data:":
+                yield parts
+            continue
+        if not isinstance(parts, list):
+            continue
+        for part in parts:
+            if not isinstance(part, Mapping):
+                continue
+            key = _media_key_of(part)
+            if key is None:
+                continue
+            value = part[key]
+            url = value if isinstance(value, str) else value.get("url")
+            if isinstance(url, str):
+                yield url
+
+
+def request_media_stats(body: Mapping[str, Any], referencer: MediaReferencer | None) -> PayloadStats:
+    """Bytes of one agent -> model request (``model_request``): JSON size, media physical / logical.
+
+    ``num_refs`` counts media parts, ``num_segments`` their distinct media (by key for a
+    reference, by the URL text otherwise).
+    """
+    serialized = len(orjson.dumps(body))
+    physical = logical = refs = 0
+    distinct: set[str] = set()
+    for url in _media_urls(body.get("input")):
+        refs += 1
+        physical += len(url)
+        key = parse_media_ref(url)
+        inline = referencer.inline_size(key) if referencer is not None and key is not None else None
+        logical += inline if inline is not None else len(url)
+        distinct.add(key or url)
+    return PayloadStats(
+        serialized_bytes=serialized,
+        inband_bytes=serialized,
+        out_of_band_bytes=0,
+        num_buffers=0,
+        physical_media_bytes=physical,
+        logical_media_bytes=logical,
+        num_segments=len(distinct),
+        num_refs=refs,
+    )
