@@ -139,6 +139,15 @@ class MediaStore:
         """Whether ``key`` is stored (a malformed key is simply not stored)."""
         return is_content_key(key) and self.path_for(key).is_file()
 
+    def size(self, key: str) -> int | None:
+        """The stored size of ``key`` in bytes, ``None`` when it is not stored (no read, no hashing)."""
+        if not is_content_key(key):
+            return None
+        try:
+            return self.path_for(key).stat().st_size
+        except OSError:
+            return None
+
     def get(self, key: str) -> bytes:
         """The bytes stored under ``key``, verified against it (see the module docstring)."""
         if not is_content_key(key):

@@ -99,6 +99,7 @@ def tiny_server_command(
     enable_weight_updates: bool,
     host: str = "127.0.0.1",
     model_flag: str = "--tiny",
+    media_hosts: tuple[str, ...] = (),
 ) -> list[str]:
     """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child."""
     cmd = [
@@ -122,6 +123,8 @@ def tiny_server_command(
         cmd += ["--prompt-seed", str(prompt_seed)]
     if enable_weight_updates:
         cmd.append("--enable-weight-updates")
+    for entry in media_hosts:
+        cmd += ["--media-host", entry]
     return cmd
 
 

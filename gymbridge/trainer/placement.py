@@ -96,12 +96,14 @@ async def start_generator(
     log_dir: Path,
     policy_factory: Callable[[int], Any] | None = None,
     serve_flag: str = "--tiny",
+    media_hosts: tuple[str, ...] = (),
 ) -> GeneratorHandle:
     """Set up the generator (and, with ``serve``, its model server); see the module docstring.
 
     ``policy_factory(model_seed)`` builds the in-process generator's own model (default: the tiny
     Qwen2-VL); ``serve_flag`` is the ``gymbridge model serve`` flag of the same model for the child
-    process (``--tiny`` or ``--tiny-omni``).
+    process (``--tiny`` or ``--tiny-omni``). ``media_hosts`` (``host:port`` of media stores) go
+    into the model server's ``MediaPolicy``, so it fetches (and verifies) media references.
     """
     if cfg.placement == "process":
         return await _start_process(
@@ -114,6 +116,7 @@ async def start_generator(
             prompt_seed=prompt_seed,
             log_dir=log_dir,
             serve_flag=serve_flag,
+            media_hosts=media_hosts,
         )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.trainer.models import tiny_policy
@@ -126,12 +129,14 @@ async def start_generator(
     if serve:
         from gymbridge.bridge import PromptSeededGenerator
         from gymbridge.generation.server import ModelServer, ModelServerConfig
+        from gymbridge.media import MediaPolicy
 
         server = ModelServer(
             PromptSeededGenerator(generator, prompt_seed) if prompt_seed is not None else generator,
             config=ModelServerConfig(
                 model_name=model_name, max_model_len=max_model_len, default_max_tokens=default_max_tokens
             ),
+            media_policy=MediaPolicy(media_hosts=media_hosts),
         )
         url = await server.start()
         stack.push_async_callback(server.stop)
@@ -149,6 +154,7 @@ async def _start_process(
     prompt_seed: int | None,
     log_dir: Path,
     serve_flag: str,
+    media_hosts: tuple[str, ...] = (),
 ) -> GeneratorHandle:
     from gymbridge.trainer.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
@@ -167,6 +173,7 @@ async def _start_process(
         prompt_seed=prompt_seed,
         enable_weight_updates=cfg.publish_weights,
         model_flag=serve_flag,
+        media_hosts=media_hosts,
     )
     child = await asyncio.to_thread(
         start_model_server_process,

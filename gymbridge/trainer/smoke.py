@@ -143,6 +143,10 @@ class SmokeConfig(StrictModel):
     max_consecutive_failed_groups: int = Field(4, ge=1)
     dedup: bool = True
     payload_metrics: bool = True
+    media_by_reference: bool = False
+    """Gym path: start a media server over ``<run_dir>/media_store/``; each prompt's inline media
+    are stored once and the G ``/run`` rows carry ``http://…/media/<key>`` references instead of
+    base64 copies (docs/media.md, "Media by reference"). Trains exactly as with it off."""
     dp_workers: int = Field(0, ge=0)
     """0: train in this process; N: N Ray actors (the ``ray`` extra)."""
     ray_num_cpus: int = Field(2, ge=1)
@@ -347,6 +351,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         ReplayBuffer,
         TokenRateShaping,
     )
+    from gymbridge.media import MediaPolicy
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
@@ -422,6 +427,18 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         env = await start_server(spec.make_server())
         stack.push_async_callback(env.stop)
         result.urls["environment"] = env.url
+        media_server = None
+        if cfg.media_by_reference and cfg.native:
+            print("media by reference: off on the native path (no Gym request to shrink)", file=out)
+        elif cfg.media_by_reference:
+            from gymbridge.media import MediaServer, MediaStore
+
+            media_server = MediaServer(MediaStore(run.path / "media_store"))
+            media_server.start()
+            stack.callback(media_server.stop)
+            result.urls["media"] = media_server.base_url
+            meter.media_size = media_server.store.size
+        media_hosts = (media_server.host_entry,) if media_server is not None else ()
         handle = await start_generator(
             cfg.generator,
             stack,
@@ -435,6 +452,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             policy_factory=tiny.policy_factory,
             serve_flag=tiny.serve_flag,
             log_dir=run.path,
+            media_hosts=media_hosts,
         )
         result.model_server_pid = handle.pid
         source: Any
@@ -466,7 +484,14 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             stack.push_async_callback(agent_running.stop)
             client = GymClient(agent_running.url, deadline_s=cfg.rollout_deadline_s)
             stack.push_async_callback(client.aclose)
-            source = GymRollouts(client, deadline_s=cfg.rollout_deadline_s, meter=meter)
+            referencer = None
+            if media_server is not None:
+                from gymbridge.bridge import RowReferencer
+
+                referencer = RowReferencer(media_server.store, media_server.url_for)
+            source = GymRollouts(
+                client, deadline_s=cfg.rollout_deadline_s, meter=meter, referencer=referencer
+            )
             result.urls.update(model=model_url, agent=agent_running.url)
         stack.push_async_callback(source.aclose)
         print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
@@ -503,6 +528,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             reward_components_check=cfg.reward_components_check,
             failures_path=run.failures_path,
             meter=meter,
+            media_policy=MediaPolicy(media_hosts=media_hosts) if media_hosts else None,
             replay=replay,
             placeholder_token_ids=list(tiny.placeholder_token_ids),
             reward_fn=shaping,

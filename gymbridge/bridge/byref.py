@@ -1,0 +1,132 @@
+"""Media by reference at the Gym request: a prompt's inline media go into the store once.
+
+Without it, the G ``/run`` rows of a prompt carry G base64 copies of every image.
+:class:`RowReferencer` rewrites one dataset row: each inline medium (a ``data:`` URL in a
+media part of ``responses_create_params.input``) is decoded, put into a
+:class:`~gymbridge.media.MediaStore` (written once per content key) and replaced by its
+reference ``<media server>/media/<key>``, an ordinary http URL that any agent or model
+server can fetch; the G rows are then made from the rewritten row.
+
+Invariants:
+
+* the row is never mutated; a changed part is a new dict inside new lists, everything
+  else (text, http URLs, unknown items and keys, token fields) is the same object;
+* media parts are found with :func:`gymbridge.protocol.media_ref_of_part`, the rule the
+  model server and the trajectory layer read media with: parts of message ``content`` and
+  of ``function_call_output.output`` lists. A tool output that *is* a bare data-URL string
+  stays inline (a bare http URL there reads as text, not media), and so does
+  ``metadata.audio_data`` (genuine ``vllm_model`` reads it as data URIs only);
+* the reference names exactly the bytes the data URL holds (the key is their sha256), so
+  whoever loads it decodes the same bytes and computes the same content key as inline;
+* an inline medium that cannot be decoded (bad base64, over the policy's
+  ``max_encoded_bytes``) stays inline, so it fails downstream exactly as it does without
+  references.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gymbridge.errors import MediaError, ProtocolError
+from gymbridge.media.hashing import content_key
+from gymbridge.media.policy import MediaPolicy
+from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
+from gymbridge.media.store import MediaStore
+from gymbridge.protocol import media_ref_of_part
+
+__all__ = ["RowReferencer"]
+
+logger = logging.getLogger(__name__)
+
+
+def _inline_slot(part: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(part key, data URL)`` of a media part whose reference is inline, else ``None``."""
+    try:
+        ref = media_ref_of_part(part)
+    except ProtocolError:
+        return None  # the model server answers it with its own precise error
+    if ref is None or ref[0][:5].lower() != "data:":
+        return None
+    source = ref[0]
+    for key, value in part.items():
+        if value is source or (isinstance(value, Mapping) and value.get("url") is source):
+            return key, source
+    return None  # inline audio {data, format}: no URL slot to put a reference in
+
+
+class RowReferencer:
+    """Put a row's inline media into ``store``; ``url_for(key)`` makes the reference.
+
+    ``stored`` / ``stored_bytes`` count the media put into the store (a key already there
+    is not written again); ``replaced`` counts the parts rewritten.
+    """
+
+    def __init__(
+        self, store: MediaStore, url_for: Callable[[str], str], *, policy: MediaPolicy | None = None
+    ) -> None:
+        self.store = store
+        self.url_for = url_for
+        self.policy = policy if policy is not None else MediaPolicy()
+        self.stored = 0
+        self.stored_bytes = 0
+        self.replaced = 0
+
+    def reference(self, data_url: str) -> str | None:
+        """The reference for ``data_url`` (its bytes stored), or ``None`` to keep it inline."""
+        try:
+            ref = parse_ref(data_url)
+            if not isinstance(ref, DataRef):
+                return None
+            raw = decode_data_payload(ref, max_bytes=self.policy.max_encoded_bytes, source=data_url)
+            existed = self.store.size(content_key(raw)) == len(raw)
+            key = self.store.put(raw)
+        except MediaError as exc:
+            logger.debug("keeping an inline medium inline (%s)", exc)
+            return None
+        if not existed:
+            self.stored += 1
+            self.stored_bytes += len(raw)
+        self.replaced += 1
+        return self.url_for(key)
+
+    def _part(self, part: Any) -> Any:
+        if not isinstance(part, Mapping):
+            return part
+        slot = _inline_slot(part)
+        if slot is None:
+            return part
+        key, url = slot
+        reference = self.reference(url)
+        if reference is None:
+            return part
+        value = part[key]
+        return {**part, key: reference if isinstance(value, str) else {**value, "url": reference}}
+
+    def _parts(self, parts: Any) -> Any:
+        if not isinstance(parts, list):
+            return parts
+        out = [self._part(p) for p in parts]
+        return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
+
+    def _item(self, item: Any) -> Any:
+        if not isinstance(item, Mapping):
+            return item
+        kind = item.get("type", "message")
+        field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
+        if field is None or field not in item:
+            return item
+        new = self._parts(item[field])
+        return item if new is item[field] else {**item, field: new}
+
+    def row(self, row: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``row`` with its inline media referenced (the same object when it has none)."""
+        rcp = row.get("responses_create_params")
+        if not isinstance(rcp, Mapping) or not isinstance(rcp.get("input"), list):
+            return row
+        items = rcp["input"]
+        new_items = [self._item(i) for i in items]
+        if all(a is b for a, b in zip(new_items, items, strict=True)):
+            return row
+        return {**row, "responses_create_params": {**rcp, "input": new_items}}
