@@ -28,10 +28,9 @@ Invariants:
   ``function_call_output.output`` part lists. A tool output that *is* a bare data URL
   string stays inline (a bare http URL there would read as text, not media).
 
-:func:`request_media_stats` measures one model request for the ``model_request``
-payload boundary: physical media bytes are the media bytes the body actually carries
-(each inline data URL, each reference URL), logical media bytes what it would carry with
-every medium inline (a reference counts the data URL it stands for).
+:meth:`MediaReferencer.size_of` gives the encoded size behind a reference this referencer
+made, what the ``model_request`` payload boundary counts as a reference's media bytes
+(:func:`gymbridge.metrics.payload_stats` ``media_size``).
 """
 
 from __future__ import annotations
@@ -41,16 +40,14 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
-import orjson
 
 from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError, ProtocolError
 from gymbridge.media.hashing import content_key
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
-from gymbridge.media.store import MEDIA_PATH_PREFIX, parse_media_ref
-from gymbridge.metrics import PayloadStats
+from gymbridge.media.store import MEDIA_PATH_PREFIX
 from gymbridge.protocol import media_ref_of_part
 
-__all__ = ["MediaReferencer", "request_media_stats"]
+__all__ = ["MediaReferencer"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +94,7 @@ class MediaReferencer:
         self.timeout_s = timeout_s
         self.max_known = max_known
         self._known: dict[str, int] = {}
-        """Content key -> length of the data URL it replaced (the logical bytes of a reference)."""
+        """Content key -> encoded bytes stored under it (what a reference to it stands for)."""
         self.uploads = 0
         """Media bodies actually sent to the store (a key the store had already is not sent)."""
         self.upload_bytes = 0
@@ -105,8 +102,8 @@ class MediaReferencer:
     def url_for(self, key: str) -> str:
         return f"{self.store_url}{MEDIA_PATH_PREFIX}{key}"
 
-    def inline_size(self, key: str) -> int | None:
-        """The length of the data URL a reference to ``key`` replaced, when this referencer made it."""
+    def size_of(self, key: str) -> int | None:
+        """The encoded bytes behind a reference to ``key`` this referencer made (``None``: unknown)."""
         return self._known.get(key)
 
     async def _store(self, client: aiohttp.ClientSession, raw: bytes, key: str) -> None:
@@ -161,7 +158,7 @@ class MediaReferencer:
             await self._store(client, raw, key)
             if len(self._known) >= self.max_known:
                 self._known.clear()  # only an upload-saving memo: forgetting costs one HEAD
-            self._known[key] = len(data_url)
+            self._known[key] = len(raw)
         return self.url_for(key)
 
     async def _part(self, client: aiohttp.ClientSession, part: Any) -> Any:
@@ -199,57 +196,3 @@ class MediaReferencer:
     async def items(self, client: aiohttp.ClientSession, items: Iterable[Any]) -> list[Any]:
         """Every item with its inline media referenced (a new list; the items are not mutated)."""
         return [await self.item(client, i) for i in items]
-
-
-def _media_urls(items: Any) -> Iterable[str]:
-    if not isinstance(items, list):
-        return
-    for item in items:
-        if not isinstance(item, Mapping):
-            continue
-        kind = item.get("type", "message")
-        parts = item.get("content") if kind == "message" else item.get("output")
-        if kind == "function_call_output" and isinstance(parts, str):
-            if parts[:5].lower() == "data:":
-                yield parts
-            continue
-        if not isinstance(parts, list):
-            continue
-        for part in parts:
-            if not isinstance(part, Mapping):
-                continue
-            key = _media_key_of(part)
-            if key is None:
-                continue
-            value = part[key]
-            url = value if isinstance(value, str) else value.get("url")
-            if isinstance(url, str):
-                yield url
-
-
-def request_media_stats(body: Mapping[str, Any], referencer: MediaReferencer | None) -> PayloadStats:
-    """Bytes of one agent -> model request (``model_request``): JSON size, media physical / logical.
-
-    ``num_refs`` counts media parts, ``num_segments`` their distinct media (by key for a
-    reference, by the URL text otherwise).
-    """
-    serialized = len(orjson.dumps(body))
-    physical = logical = refs = 0
-    distinct: set[str] = set()
-    for url in _media_urls(body.get("input")):
-        refs += 1
-        physical += len(url)
-        key = parse_media_ref(url)
-        inline = referencer.inline_size(key) if referencer is not None and key is not None else None
-        logical += inline if inline is not None else len(url)
-        distinct.add(key or url)
-    return PayloadStats(
-        serialized_bytes=serialized,
-        inband_bytes=serialized,
-        out_of_band_bytes=0,
-        num_buffers=0,
-        physical_media_bytes=physical,
-        logical_media_bytes=logical,
-        num_segments=len(distinct),
-        num_refs=refs,
-    )

@@ -109,4 +109,9 @@ async def test_tokens_logprobs_and_content_keys_identical_with_references_on_or_
     assert fetched["misses"] == len(set(media.store.keys()))
     assert fetched["hits"] == turns * (turns + 1) // 2 - fetched["misses"]
     report = meter.report()["model_request"]
-    assert report.records == turns and report.logical_media_bytes > 10 * report.physical_media_bytes
+    keys = media.store.keys()
+    stored = {k: len(media.store.get(k)) for k in keys}
+    assert report.records == turns and report.num_refs == turns * (turns + 1) // 2
+    assert report.physical_media_bytes == sum(stored.values())  # each image once
+    copies = [parse_media_ref(m.source) for t in traj_ref.turns for m in t.media]
+    assert report.logical_media_bytes == sum(stored[k] * (turns - i) for i, k in enumerate(copies))
