@@ -186,3 +186,15 @@ async def test_store_refusing_an_upload_ends_the_rollout_with_502(tmp_path: Path
             await model.stop()
             await env.stop()
         assert model.num_calls == 0  # nothing half-referenced reached the model
+
+
+def test_media_part_takes_a_media_item() -> None:
+    """Regression: ``ToolOutput(media=[MediaItem])`` raised TypeError (the duck type named a
+    method MediaItem does not have), so a tool could not answer a loaded item."""
+    from gymbridge.media import MediaItem
+    from gymbridge.server import ToolOutput
+
+    item = MediaItem.from_bytes(png_of(3), "image")
+    (part,) = ToolOutput(media=[item]).parts()
+    assert part["type"] == "input_image"
+    assert _bytes_of(part["image_url"]) == png_of(3)
