@@ -11,11 +11,13 @@ Invariants:
 
 * the row is never mutated; a changed part is a new dict inside new lists, everything
   else (text, http URLs, unknown items and keys, token fields) is the same object;
-* media parts are found with :func:`gymbridge.protocol.media_ref_of_part`, the rule the
-  model server and the trajectory layer read media with: parts of message ``content`` and
-  of ``function_call_output.output`` lists. A tool output that *is* a bare data-URL string
-  stays inline (a bare http URL there reads as text, not media), and so does
-  ``metadata.audio_data`` (genuine ``vllm_model`` reads it as data URIs only);
+* media parts are found and replaced by :func:`gymbridge.protocol.replace_inline_media`
+  (the agent's conversation uses the same rule), which reads them with
+  ``media_ref_of_part``, the rule the model server and the trajectory layer read media
+  with: parts of message ``content`` and of ``function_call_output.output`` lists. A tool
+  output that *is* a bare data-URL string stays inline (a bare http URL there reads as
+  text, not media), and so does ``metadata.audio_data`` (genuine ``vllm_model`` reads it
+  as data URIs only);
 * the reference names exactly the bytes the data URL holds (the key is their sha256), so
   whoever loads it decodes the same bytes and computes the same content key as inline;
 * an inline medium that cannot be decoded (bad base64, over the policy's
@@ -29,31 +31,16 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gymbridge.errors import MediaError, ProtocolError
+from gymbridge.errors import MediaError
 from gymbridge.media.hashing import content_key
 from gymbridge.media.policy import MediaPolicy
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
 from gymbridge.media.store import MediaStore
-from gymbridge.protocol import media_ref_of_part
+from gymbridge.protocol import replace_inline_media
 
 __all__ = ["RowReferencer"]
 
 logger = logging.getLogger(__name__)
-
-
-def _inline_slot(part: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(part key, data URL)`` of a media part whose reference is inline, else ``None``."""
-    try:
-        ref = media_ref_of_part(part)
-    except ProtocolError:
-        return None  # the model server answers it with its own precise error
-    if ref is None or ref[0][:5].lower() != "data:":
-        return None
-    source = ref[0]
-    for key, value in part.items():
-        if value is source or (isinstance(value, Mapping) and value.get("url") is source):
-            return key, source
-    return None  # inline audio {data, format}: no URL slot to put a reference in
 
 
 class RowReferencer:
@@ -91,42 +78,13 @@ class RowReferencer:
         self.replaced += 1
         return self.url_for(key)
 
-    def _part(self, part: Any) -> Any:
-        if not isinstance(part, Mapping):
-            return part
-        slot = _inline_slot(part)
-        if slot is None:
-            return part
-        key, url = slot
-        reference = self.reference(url)
-        if reference is None:
-            return part
-        value = part[key]
-        return {**part, key: reference if isinstance(value, str) else {**value, "url": reference}}
-
-    def _parts(self, parts: Any) -> Any:
-        if not isinstance(parts, list):
-            return parts
-        out = [self._part(p) for p in parts]
-        return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
-
-    def _item(self, item: Any) -> Any:
-        if not isinstance(item, Mapping):
-            return item
-        kind = item.get("type", "message")
-        field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
-        if field is None or field not in item:
-            return item
-        new = self._parts(item[field])
-        return item if new is item[field] else {**item, field: new}
-
     def row(self, row: Mapping[str, Any]) -> Mapping[str, Any]:
         """``row`` with its inline media referenced (the same object when it has none)."""
         rcp = row.get("responses_create_params")
         if not isinstance(rcp, Mapping) or not isinstance(rcp.get("input"), list):
             return row
         items = rcp["input"]
-        new_items = [self._item(i) for i in items]
-        if all(a is b for a, b in zip(new_items, items, strict=True)):
+        new_items = replace_inline_media(items, self.reference)
+        if new_items is items:
             return row
         return {**row, "responses_create_params": {**rcp, "input": new_items}}

@@ -22,8 +22,9 @@ Invariants:
   references on or off;
 * each distinct content key is uploaded at most once per referencer (``HEAD`` first: a
   medium the bridge or another agent already stored is not sent again);
-* inline media are found with :func:`gymbridge.protocol.media_ref_of_part`, the rule
-  the model server and the trajectory layer read media with: ``input_image`` /
+* inline media are found and replaced by :func:`gymbridge.protocol.replace_inline_media`
+  (the bridge's rows use the same rule), which reads parts with ``media_ref_of_part``, the
+  rule the model server and the trajectory layer read media with: ``input_image`` /
   ``input_audio`` / ``input_video`` (and their chat spellings) in message content and in
   ``function_call_output.output`` part lists. A tool output that *is* a bare data URL
   string stays inline (a bare http URL there would read as text, not media).
@@ -36,16 +37,15 @@ made, what the ``model_request`` payload boundary counts as a reference's media 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
 
-from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError, ProtocolError
+from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError
 from gymbridge.media.hashing import content_key
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
 from gymbridge.media.store import MEDIA_PATH_PREFIX
-from gymbridge.protocol import media_ref_of_part
+from gymbridge.protocol import inline_media_urls, replace_inline_media
 
 __all__ = ["MediaReferencer"]
 
@@ -53,33 +53,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_INLINE_BYTES = 256 * 1024 * 1024
 """The largest inline medium the agent decodes to store (a bigger one stays inline)."""
-
-
-def _media_key_of(part: Mapping[str, Any]) -> str | None:
-    """The part's key that holds its reference (``image_url`` etc.), for parts with one."""
-    try:
-        ref = media_ref_of_part(part)
-    except ProtocolError:
-        return None
-    if ref is None:
-        return None
-    source = ref[0]
-    for key, value in part.items():
-        if value == source or (isinstance(value, Mapping) and value.get("url") == source):
-            return key
-    return None
-
-
-def _inline_source(part: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(part key, data URL)`` of an inline medium part, else ``None``."""
-    key = _media_key_of(part)
-    if key is None:
-        return None
-    value = part[key]
-    url = value if isinstance(value, str) else value.get("url")
-    if isinstance(url, str) and url[:5].lower() == "data:":
-        return key, url
-    return None
 
 
 class MediaReferencer:
@@ -111,8 +84,8 @@ class MediaReferencer:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with client.head(url, timeout=timeout) as head:
-                if head.status == 200:
-                    return
+                if head.status == 200 and head.headers.get("ETag") == f'"{key}"':
+                    return  # stored already (the store's ETag is the key)
             async with client.put(
                 url, data=raw, timeout=timeout, headers={"Content-Type": "application/octet-stream"}
             ) as reply:
@@ -161,38 +134,10 @@ class MediaReferencer:
             self._known[key] = len(raw)
         return self.url_for(key)
 
-    async def _part(self, client: aiohttp.ClientSession, part: Any) -> Any:
-        if not isinstance(part, Mapping):
-            return part
-        inline = _inline_source(part)
-        if inline is None:
-            return part
-        key, url = inline
-        reference = await self.reference(client, url)
-        if reference is None:
-            return part
-        value = part[key]
-        return {**part, key: reference if isinstance(value, str) else {**value, "url": reference}}
-
-    async def _parts(self, client: aiohttp.ClientSession, parts: Any) -> Any:
-        if not isinstance(parts, list):
-            return parts
-        out = [await self._part(client, p) for p in parts]
-        return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
-
-    async def item(self, client: aiohttp.ClientSession, item: Any) -> Any:
-        """``item`` with its inline media referenced (the same object when it has none)."""
-        if not isinstance(item, Mapping):
-            return item
-        kind = item.get("type", "message")
-        if kind == "message" and "content" in item:
-            content = await self._parts(client, item["content"])
-            return item if content is item["content"] else {**item, "content": content}
-        if kind == "function_call_output" and isinstance(item.get("output"), list):
-            output = await self._parts(client, item["output"])
-            return item if output is item["output"] else {**item, "output": output}
-        return item
-
-    async def items(self, client: aiohttp.ClientSession, items: Iterable[Any]) -> list[Any]:
-        """Every item with its inline media referenced (a new list; the items are not mutated)."""
-        return [await self.item(client, i) for i in items]
+    async def items(self, client: aiohttp.ClientSession, items: list[Any]) -> list[Any]:
+        """``items`` with their inline media referenced (the same list when none changed)."""
+        references: dict[str, str | None] = {}
+        for url in inline_media_urls(items):
+            if url not in references:
+                references[url] = await self.reference(client, url)
+        return replace_inline_media(items, references.get)
