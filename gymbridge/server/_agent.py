@@ -67,8 +67,11 @@ Behaviour (stock Gym parity, with its known faults fixed):
   copy, and the result carries the references; the store being unreachable or refusing
   an upload ends the rollout with 502;
 * ``meter`` (a :class:`~gymbridge.metrics.PayloadMeter`) records every model call at the
-  ``model_request`` boundary: the JSON bytes sent and the media bytes in them, physical
-  (as sent) and logical (every medium inline).
+  ``model_request`` boundary (:func:`~gymbridge.metrics.payload_stats`): media bytes logical
+  (every copy: each inline data URL, each reference) and physical (an inline medium every
+  time, a reference's bytes once per key for the agent's life, as the model server
+  fetches each key once); a reference's size comes from the meter's ``media_size`` (the
+  launcher's store), else from the agent's own uploads.
 
 ``/run`` runs the loop in-process where stock simple_agent calls its own
 ``/v1/responses`` over HTTP: same items, one hop fewer.
@@ -102,7 +105,7 @@ from gymbridge.server._episode import (
     tool_output_items,
 )
 from gymbridge.server._http import Reply, make_client_session, post_json
-from gymbridge.server._media import MediaReferencer, request_media_stats
+from gymbridge.server._media import MediaReferencer
 from gymbridge.server._tools import PARTS_HEADER
 
 if TYPE_CHECKING:
@@ -218,6 +221,8 @@ class SimpleAgent(GymServer):
         self.rollout_prefix = rollout_prefix
         self.media = MediaReferencer(media_store_url) if media_store_url else None
         self.meter = meter
+        self._model_keys: set[str] = set()
+        """Media-reference keys already counted as physical at ``model_request``."""
         self._client: aiohttp.ClientSession | None = None
         self.add_route("POST", "/run", self._run_endpoint)
         self.add_route("POST", "/v1/responses", self._responses_endpoint)
@@ -357,12 +362,22 @@ class SimpleAgent(GymServer):
         except EnvError as exc:
             raise _UpstreamFailure(502, f"Hit an error in {self.cookie_name} storing media: {exc}") from exc
 
+    def _meter_model_request(self, body: dict[str, Any]) -> None:
+        """Record ``body`` at ``model_request``: a reference's bytes are physical once per key
+        (the model server fetches each key once), logical on every copy."""
+        from gymbridge.metrics import payload_stats
+
+        assert self.meter is not None
+        sizes = self.meter.media_size or (self.media.size_of if self.media is not None else None)
+        stats = payload_stats(body, media_size=sizes, sent_keys=self._model_keys)
+        self.meter.record_stats("model_request", stats)
+
     async def _model(
         self, rcp: dict[str, Any], items: list[Any], cookies: dict[str, str], route: _Route
     ) -> dict[str, Any]:
         body = {**rcp, "input": items}
         if self.meter is not None and self.meter.enabled:
-            self.meter.record_stats("model_request", request_media_stats(body, self.media))
+            self._meter_model_request(body)
         url = f"{self.model_url}{route.model('/v1/responses')}"
         reply = await self._call(url, body, self.model_timeout_s, cookies)
         cookies.update(reply.cookies)

@@ -22,67 +22,37 @@ Invariants:
   references on or off;
 * each distinct content key is uploaded at most once per referencer (``HEAD`` first: a
   medium the bridge or another agent already stored is not sent again);
-* inline media are found with :func:`gymbridge.protocol.media_ref_of_part`, the rule
-  the model server and the trajectory layer read media with: ``input_image`` /
+* inline media are found and replaced by :func:`gymbridge.protocol.replace_inline_media`
+  (the bridge's rows use the same rule), which reads parts with ``media_ref_of_part``, the
+  rule the model server and the trajectory layer read media with: ``input_image`` /
   ``input_audio`` / ``input_video`` (and their chat spellings) in message content and in
   ``function_call_output.output`` part lists. A tool output that *is* a bare data URL
   string stays inline (a bare http URL there would read as text, not media).
 
-:func:`request_media_stats` measures one model request for the ``model_request``
-payload boundary: physical media bytes are the media bytes the body actually carries
-(each inline data URL, each reference URL), logical media bytes what it would carry with
-every medium inline (a reference counts the data URL it stands for).
+:meth:`MediaReferencer.size_of` gives the encoded size behind a reference this referencer
+made, what the ``model_request`` payload boundary counts as a reference's media bytes
+(:func:`gymbridge.metrics.payload_stats` ``media_size``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
-import orjson
 
-from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError, ProtocolError
+from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError, MediaError
 from gymbridge.media.hashing import content_key
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
-from gymbridge.media.store import MEDIA_PATH_PREFIX, parse_media_ref
-from gymbridge.metrics import PayloadStats
-from gymbridge.protocol import media_ref_of_part
+from gymbridge.media.store import MEDIA_PATH_PREFIX
+from gymbridge.protocol import inline_media_urls, replace_inline_media
 
-__all__ = ["MediaReferencer", "request_media_stats"]
+__all__ = ["MediaReferencer"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_INLINE_BYTES = 256 * 1024 * 1024
 """The largest inline medium the agent decodes to store (a bigger one stays inline)."""
-
-
-def _media_key_of(part: Mapping[str, Any]) -> str | None:
-    """The part's key that holds its reference (``image_url`` etc.), for parts with one."""
-    try:
-        ref = media_ref_of_part(part)
-    except ProtocolError:
-        return None
-    if ref is None:
-        return None
-    source = ref[0]
-    for key, value in part.items():
-        if value == source or (isinstance(value, Mapping) and value.get("url") == source):
-            return key
-    return None
-
-
-def _inline_source(part: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(part key, data URL)`` of an inline medium part, else ``None``."""
-    key = _media_key_of(part)
-    if key is None:
-        return None
-    value = part[key]
-    url = value if isinstance(value, str) else value.get("url")
-    if isinstance(url, str) and url[:5].lower() == "data:":
-        return key, url
-    return None
 
 
 class MediaReferencer:
@@ -97,7 +67,7 @@ class MediaReferencer:
         self.timeout_s = timeout_s
         self.max_known = max_known
         self._known: dict[str, int] = {}
-        """Content key -> length of the data URL it replaced (the logical bytes of a reference)."""
+        """Content key -> encoded bytes stored under it (what a reference to it stands for)."""
         self.uploads = 0
         """Media bodies actually sent to the store (a key the store had already is not sent)."""
         self.upload_bytes = 0
@@ -105,8 +75,8 @@ class MediaReferencer:
     def url_for(self, key: str) -> str:
         return f"{self.store_url}{MEDIA_PATH_PREFIX}{key}"
 
-    def inline_size(self, key: str) -> int | None:
-        """The length of the data URL a reference to ``key`` replaced, when this referencer made it."""
+    def size_of(self, key: str) -> int | None:
+        """The encoded bytes behind a reference to ``key`` this referencer made (``None``: unknown)."""
         return self._known.get(key)
 
     async def _store(self, client: aiohttp.ClientSession, raw: bytes, key: str) -> None:
@@ -114,8 +84,8 @@ class MediaReferencer:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with client.head(url, timeout=timeout) as head:
-                if head.status == 200:
-                    return
+                if head.status == 200 and head.headers.get("ETag") == f'"{key}"':
+                    return  # stored already (the store's ETag is the key)
             async with client.put(
                 url, data=raw, timeout=timeout, headers={"Content-Type": "application/octet-stream"}
             ) as reply:
@@ -161,95 +131,13 @@ class MediaReferencer:
             await self._store(client, raw, key)
             if len(self._known) >= self.max_known:
                 self._known.clear()  # only an upload-saving memo: forgetting costs one HEAD
-            self._known[key] = len(data_url)
+            self._known[key] = len(raw)
         return self.url_for(key)
 
-    async def _part(self, client: aiohttp.ClientSession, part: Any) -> Any:
-        if not isinstance(part, Mapping):
-            return part
-        inline = _inline_source(part)
-        if inline is None:
-            return part
-        key, url = inline
-        reference = await self.reference(client, url)
-        if reference is None:
-            return part
-        value = part[key]
-        return {**part, key: reference if isinstance(value, str) else {**value, "url": reference}}
-
-    async def _parts(self, client: aiohttp.ClientSession, parts: Any) -> Any:
-        if not isinstance(parts, list):
-            return parts
-        out = [await self._part(client, p) for p in parts]
-        return parts if all(a is b for a, b in zip(out, parts, strict=True)) else out
-
-    async def item(self, client: aiohttp.ClientSession, item: Any) -> Any:
-        """``item`` with its inline media referenced (the same object when it has none)."""
-        if not isinstance(item, Mapping):
-            return item
-        kind = item.get("type", "message")
-        if kind == "message" and "content" in item:
-            content = await self._parts(client, item["content"])
-            return item if content is item["content"] else {**item, "content": content}
-        if kind == "function_call_output" and isinstance(item.get("output"), list):
-            output = await self._parts(client, item["output"])
-            return item if output is item["output"] else {**item, "output": output}
-        return item
-
-    async def items(self, client: aiohttp.ClientSession, items: Iterable[Any]) -> list[Any]:
-        """Every item with its inline media referenced (a new list; the items are not mutated)."""
-        return [await self.item(client, i) for i in items]
-
-
-def _media_urls(items: Any) -> Iterable[str]:
-    if not isinstance(items, list):
-        return
-    for item in items:
-        if not isinstance(item, Mapping):
-            continue
-        kind = item.get("type", "message")
-        parts = item.get("content") if kind == "message" else item.get("output")
-        if kind == "function_call_output" and isinstance(parts, str):
-            if parts[:5].lower() == "data:":
-                yield parts
-            continue
-        if not isinstance(parts, list):
-            continue
-        for part in parts:
-            if not isinstance(part, Mapping):
-                continue
-            key = _media_key_of(part)
-            if key is None:
-                continue
-            value = part[key]
-            url = value if isinstance(value, str) else value.get("url")
-            if isinstance(url, str):
-                yield url
-
-
-def request_media_stats(body: Mapping[str, Any], referencer: MediaReferencer | None) -> PayloadStats:
-    """Bytes of one agent -> model request (``model_request``): JSON size, media physical / logical.
-
-    ``num_refs`` counts media parts, ``num_segments`` their distinct media (by key for a
-    reference, by the URL text otherwise).
-    """
-    serialized = len(orjson.dumps(body))
-    physical = logical = refs = 0
-    distinct: set[str] = set()
-    for url in _media_urls(body.get("input")):
-        refs += 1
-        physical += len(url)
-        key = parse_media_ref(url)
-        inline = referencer.inline_size(key) if referencer is not None and key is not None else None
-        logical += inline if inline is not None else len(url)
-        distinct.add(key or url)
-    return PayloadStats(
-        serialized_bytes=serialized,
-        inband_bytes=serialized,
-        out_of_band_bytes=0,
-        num_buffers=0,
-        physical_media_bytes=physical,
-        logical_media_bytes=logical,
-        num_segments=len(distinct),
-        num_refs=refs,
-    )
+    async def items(self, client: aiohttp.ClientSession, items: list[Any]) -> list[Any]:
+        """``items`` with their inline media referenced (the same list when none changed)."""
+        references: dict[str, str | None] = {}
+        for url in inline_media_urls(items):
+            if url not in references:
+                references[url] = await self.reference(client, url)
+        return replace_inline_media(items, references.get)

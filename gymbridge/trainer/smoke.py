@@ -215,6 +215,8 @@ class SmokeResult:
     rollouts_failed: int = 0
     bridge_stats: dict[str, Any] = field(default_factory=dict)
     payload_table: str = ""
+    model_media_cache: dict[str, Any] = field(default_factory=dict)
+    """The model server's media cache counters at the end (``GET /media_cache``; Gym path)."""
     urls: dict[str, str] = field(default_factory=dict)
     """The servers this run started (all stopped when it returns)."""
     run_dir: str = ""
@@ -348,6 +350,27 @@ def _sync_text(m: StepMetrics) -> str:
     if m.policy_version is None:
         return ""
     return f"  -> v{m.policy_version} (sync {m.weight_sync_s:.3f}s)"
+
+
+async def _model_media_cache(model_url: str, out: IO[str]) -> dict[str, Any]:
+    """The model server's ``GET /media_cache`` counters, printed as one line ({} when unavailable)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            reply = await http.get(f"{model_url}/media_cache")
+        stats: dict[str, Any] = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        stats = {}
+    kinds = stats.get("kinds") or {}
+    if kinds:
+        shown = ", ".join(f"{kind} {k['misses']} miss / {k['hits']} hit" for kind, k in sorted(kinds.items()))
+        print(
+            f"model server media cache (once per content key): {shown}; "
+            f"{stats.get('bytes', 0) / 2**20:.1f} MiB held",
+            file=out,
+        )
+    return stats
 
 
 async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resume: bool) -> SmokeResult:
@@ -619,6 +642,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                     replay=replay,
                 )
         bar.close()
+        if not cfg.native:
+            result.model_media_cache = await _model_media_cache(str(handle.model_url), out)
         result.rollouts_ok = bridge.stats.rollouts_ok
         result.rollouts_failed = bridge.stats.rollouts_failed
         result.bridge_stats = bridge.stats.as_dict()

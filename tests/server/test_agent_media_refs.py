@@ -88,7 +88,8 @@ async def _grid_door_episode(turns: int, **agent_kwargs: Any) -> tuple[dict[str,
 
 async def test_grid_door_agent_to_model_bytes_grow_linearly_with_references(media: MediaServer) -> None:
     turns = 10
-    inline, inline_model = await _grid_door_episode(turns)
+    inline_meter = PayloadMeter(enabled=True)
+    inline, inline_model = await _grid_door_episode(turns, meter=inline_meter)
     meter = PayloadMeter(enabled=True)
     referenced, ref_model = await _grid_door_episode(turns, media_store_url=media.base_url, meter=meter)
     assert len(inline_model.requests) == len(ref_model.requests) == turns
@@ -107,15 +108,15 @@ async def test_grid_door_agent_to_model_bytes_grow_linearly_with_references(medi
         assert len(json.dumps(inline_request)) - len(json.dumps(ref_request)) == a - b
     # the images crossed once each, through the store (uploads = distinct observations)
     assert media.store.keys() and len(media.store.keys()) <= turns
-    # model_request metering: physical = what was sent, logical = every image inline
+    # model_request metering: logical = every copy (as inline), physical = each image once
     report = meter.report()["model_request"]
-    assert report.records == turns
-    assert report.serialized_bytes == sum(
-        len(json.dumps(r, separators=(",", ":"))) for r in ref_model.requests
-    )
-    assert report.logical_media_bytes == sum(inline_media)
-    assert report.physical_media_bytes == sum(ref_media)
-    assert report.num_refs == turns * (turns + 1) // 2  # call t carries t image parts
+    inline_report = inline_meter.report()["model_request"]
+    assert report.records == inline_report.records == turns
+    assert report.logical_media_bytes == inline_report.logical_media_bytes
+    assert inline_report.physical_media_bytes == inline_report.logical_media_bytes
+    stored = media.store.keys()
+    assert report.physical_media_bytes == sum(len(media.store.get(k)) for k in stored)
+    assert report.num_refs == inline_report.num_refs == turns * (turns + 1) // 2  # call t: t images
     # the same episode otherwise: the items differ only in their image URLs
     assert referenced["reward"] == inline["reward"]
     assert len(referenced["response"]["output"]) == len(inline["response"]["output"])
@@ -185,3 +186,15 @@ async def test_store_refusing_an_upload_ends_the_rollout_with_502(tmp_path: Path
             await model.stop()
             await env.stop()
         assert model.num_calls == 0  # nothing half-referenced reached the model
+
+
+def test_media_part_takes_a_media_item() -> None:
+    """Regression: ``ToolOutput(media=[MediaItem])`` raised TypeError (the duck type named a
+    method MediaItem does not have), so a tool could not answer a loaded item."""
+    from gymbridge.media import MediaItem
+    from gymbridge.server import ToolOutput
+
+    item = MediaItem.from_bytes(png_of(3), "image")
+    (part,) = ToolOutput(media=[item]).parts()
+    assert part["type"] == "input_image"
+    assert _bytes_of(part["image_url"]) == png_of(3)
