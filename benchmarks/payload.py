@@ -24,6 +24,16 @@ the real ``MediaServer``, verified by key). Printed side by side: ``gym_request`
 ``gym_return`` media bytes logical / physical (ideal: G) and serialized bytes off / on beside
 the ideal (every media byte sent once per prompt, everything else unchanged).
 
+Multi-turn (issue 16 §3, also with ``--gym-request``): a 10-turn ``grid_door`` episode (every
+observation a new image) through gymbridge's ``SimpleAgent`` and a scripted model server
+(a fixed walk: right, down, left, up, ..., the same in both runs), media by
+reference off and on: the bytes of each agent -> model request and the media bytes the
+episode moves (inline: turn t carries t images; by reference: each image crosses once, from
+the store). And one group (G rollouts of one 448x448 photo prompt) through ``GymRollouts`` ->
+``SimpleAgent`` -> the real ``ModelServer`` over the tiny Qwen2-VL, off and on: the model
+server's media cache counters (fetches, decodes and processor calls per content key) and the
+bytes the media server served.
+
 Boundaries: ``prompt_repeat`` (the prompts' media repeated G times), ``rollout_to_policy``
 (the whole ``TrainBatch``), ``policy_shard`` (the largest shard at DP = 2 and 8), and
 ``replay_checkpoint`` (the replay buffer's content: one ``TrainBatch`` per group). Each
@@ -189,6 +199,178 @@ def run_gym_request(prompts: int, groups: Sequence[int], results: list[dict[str,
                     f"{_fmt(on_.logical_media_bytes)} {_fmt(on_.physical_media_bytes)} {media_ratio:>6.2f}x "
                     f"(off {off.logical_media_bytes / off.physical_media_bytes:.2f}x)"
                 )
+    return lines
+
+
+async def _grid_door_requests(turns: int, media_store_url: str | None) -> list[dict[str, Any]]:
+    """The agent -> model request bodies of one ``turns``-turn grid_door episode (scripted model)."""
+    import aiohttp
+
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.testing.scripted_model import ScriptedModelServer
+    from gymbridge_envs.grid_door.data import generate as grid_door_rows
+    from gymbridge_envs.grid_door.server import GridDoorServer
+
+    env = await start_server(GridDoorServer())
+    # a walk (right, down, left, up, ...): the observations change, so the images differ
+    moves = ["right", "down", "left", "up"]
+    model = ScriptedModelServer([f"<action>{moves[t % 4]}</action>" for t in range(turns)])
+    await model.start()
+    agent = await start_server(
+        SimpleAgent(
+            resources_url=env.url,
+            model_url=model.url,
+            gymnasium=True,
+            max_steps=turns,
+            media_store_url=media_store_url,
+        )
+    )
+    row = {**next(iter(grid_door_rows(1, seed=3))), "max_steps": turns}
+    try:
+        async with aiohttp.ClientSession() as http, http.post(agent.url + "/run", json=row) as reply:
+            assert reply.status == 200, await reply.text()
+    finally:
+        await agent.stop()
+        await model.stop()
+        await env.stop()
+    return list(model.requests)
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:>9.1f} KiB"
+
+
+def run_grid_door(turns: int, results: list[dict[str, Any]]) -> list[str]:
+    """Per-turn agent -> model bytes of a grid_door episode, media inline vs by reference."""
+    import asyncio
+    import json
+    import tempfile
+
+    from gymbridge.media import MediaServer, MediaStore
+    from gymbridge.metrics import payload_stats
+
+    inline = asyncio.run(_grid_door_requests(turns, None))
+    with tempfile.TemporaryDirectory() as tmp, MediaServer(MediaStore(Path(tmp))) as server:
+        referenced = asyncio.run(_grid_door_requests(turns, server.base_url))
+        stored = sum(server.store.size(k) or 0 for k in server.store.keys())  # noqa: SIM118 (a method)
+        lines = []
+        sum_off = sum_on = media_off = media_on = logical_on = 0
+        sent: set[str] = set()
+        for t, (a, b) in enumerate(zip(inline, referenced, strict=True), start=1):
+            off_bytes, on_bytes = len(json.dumps(a)), len(json.dumps(b))
+            sum_off += off_bytes
+            sum_on += on_bytes
+            off_stats = payload_stats(a)
+            on_stats = payload_stats(b, media_size=server.store.size, sent_keys=sent)
+            media_off += off_stats.physical_media_bytes
+            media_on += on_stats.physical_media_bytes
+            logical_on += on_stats.logical_media_bytes
+            lines.append(
+                f"{t:>4} {off_stats.num_refs:>6} {_kib(off_bytes)} {_kib(on_bytes)} {_kib(sum_off)} "
+                f"{_kib(sum_on)} {_kib(media_off)} {_kib(media_on)}"
+            )
+    results.append(
+        {
+            "g": turns,
+            "variant": "grid_door",
+            "boundary": "model_request",
+            "media_on": media_on,
+            "media_off": media_off,
+            "logical_on": logical_on,
+            "stored": stored,
+            "sum_off": sum_off,
+            "sum_on": sum_on,
+        }
+    )
+    return lines
+
+
+async def _group_through_model_server(
+    rows: list[dict[str, Any]], g: int, by_reference: bool, store_dir: Path
+) -> tuple[dict[str, Any], int, int, float]:
+    """One group per row through GymRollouts -> SimpleAgent -> ModelServer(tiny Qwen2-VL)."""
+    import aiohttp
+
+    from gymbridge.bridge import GymRollouts, RowReferencer
+    from gymbridge.client import GymClient
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.generation.server import ModelServer, ModelServerConfig
+    from gymbridge.media import MediaPolicy, MediaServer, MediaStore
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.server.examples import CounterEnv
+
+    tiny = build_tiny_vlm(0)
+    media = MediaServer(MediaStore(store_dir))
+    media.start()
+    generator = HFGenerator(tiny.model, tiny.processor, max_model_len=4096)
+    model = ModelServer(
+        generator,
+        config=ModelServerConfig(model_name="tiny", max_model_len=4096, default_max_tokens=2),
+        media_policy=MediaPolicy(media_hosts=(media.host_entry,)),
+    )
+    model_url = await model.start()
+    env = await start_server(CounterEnv())
+    agent = await start_server(
+        SimpleAgent(
+            resources_url=env.url,
+            model_url=model_url,
+            max_steps=1,
+            media_store_url=media.base_url if by_reference else None,
+        )
+    )
+    client = GymClient(agent.url, deadline_s=600)
+    referencer = RowReferencer(media.store, media.url_for) if by_reference else None
+    source = GymRollouts(client, deadline_s=600, referencer=referencer)
+    started = time.perf_counter()
+    try:
+        for i, row in enumerate(rows):
+            records = await source.rollouts(row, task_index=i, group_size=g)
+            assert all(r.ok for r in records), [r.failure_reason for r in records]
+        elapsed = time.perf_counter() - started
+        async with aiohttp.ClientSession() as http, http.get(model_url + "/media_cache") as reply:
+            stats: dict[str, Any] = await reply.json()
+        served, served_bytes = media.requests_served, media.bytes_served
+    finally:
+        await client.aclose()
+        await agent.stop()
+        await env.stop()
+        await model.stop()
+        media.stop()
+    return stats, served, served_bytes, elapsed
+
+
+def run_model_server_group(prompts: int, g: int, results: list[dict[str, Any]]) -> list[str]:
+    """The model server's fetch / decode / process counts for ``prompts`` groups of ``g``, off and on."""
+    import asyncio
+    import tempfile
+
+    rows = gym_rows(prompts)
+    lines = []
+    for on in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            stats, served, served_bytes, elapsed = asyncio.run(
+                _group_through_model_server(rows, g, on, Path(tmp))
+            )
+        kinds = stats["kinds"]
+
+        def count(kind: str, field: str, k: dict[str, Any] = kinds) -> int:
+            return int(k.get(kind, {}).get(field, 0))
+
+        work = {kind: count(kind, "misses") for kind in ("fetched:image", "decoded:image", "processed:image")}
+        results.append(
+            {
+                "g": g,
+                "variant": "model_server",
+                "boundary": "on" if on else "off",
+                "work": work,
+                "prompts": prompts,
+            }
+        )
+        lines.append(
+            f"{'on' if on else 'off':<4} {g * prompts:>8} {work['fetched:image']:>8} "
+            f"{work['decoded:image']:>8} {work['processed:image']:>9} {count('processed:image', 'hits'):>6} "
+            f"{served:>7} {_kib(served_bytes)} {elapsed:>8.2f}"
+        )
     return lines
 
 
@@ -459,6 +641,30 @@ def check_targets(results: list[dict[str, Any]], shard_noise: float = 0.10) -> l
     """The issue's targets as (description, met): ratios against the ideal, dedup-on timings vs off."""
     checks: list[tuple[str, bool]] = []
     for r in results:
+        if r["variant"] == "grid_door":
+            turns = r["g"]
+            checks.append(
+                (
+                    f"grid_door {turns} turns: media moved by reference {_kib(r['media_on']).strip()} = each "
+                    f"image once ({_kib(r['stored']).strip()} stored, linear in turns); inline "
+                    f"{_kib(r['media_off']).strip()} = every copy (turn t carries t images: quadratic), "
+                    f"{r['media_off'] / r['media_on']:.2f}x (>= (T+1)/2 = {(turns + 1) / 2:.1f}x when every "
+                    "image is new)",
+                    r["media_on"] == r["stored"] > 0
+                    and r["media_off"] == r["logical_on"]
+                    and r["media_off"] / r["media_on"] >= 0.8 * (turns + 1) / 2,
+                )
+            )
+        if r["variant"] == "model_server" and r["boundary"] == "on":
+            work = r["work"]
+            checks.append(
+                (
+                    f"model server, {r['prompts']} group(s) of G={r['g']} by reference: fetched / "
+                    f"decoded / processed {work['fetched:image']} / {work['decoded:image']} / "
+                    f"{work['processed:image']} times (once per group)",
+                    all(v == r["prompts"] for v in work.values()),
+                )
+            )
         if r["variant"] == "by_reference":
             checks.append(
                 (
@@ -542,6 +748,7 @@ def main() -> None:
         groups = args.groups if "--groups" in sys.argv else [8, 16]
         print(f"Gym request by reference: {gym_note}\n{gym_header}\n{'-' * len(gym_header)}")
         print("\n".join(run_gym_request(args.prompts, groups, results)))
+        _print_multiturn(results)
         _print_checks(check_targets(results), "16")
         return
 
@@ -594,7 +801,31 @@ def main() -> None:
     print(f"({note})")
     print(f"\nGym request by reference: {gym_note}\n{gym_header}\n{'-' * len(gym_header)}")
     print("\n".join(run_gym_request(args.prompts, gym_groups, results)))
+    _print_multiturn(results)
     _print_checks(check_targets(results), "4, 16")
+
+
+def _print_multiturn(results: list[dict[str, Any]], turns: int = 10, g: int = 8) -> None:
+    head = (
+        f"{'turn':>4} {'images':>6} {'request off':>13} {'request on':>13} {'sum off':>13} {'sum on':>13} "
+        f"{'media off':>13} {'media on':>13}"
+    )
+    print(
+        f"\ngrid_door, {turns} turns, agent -> model: JSON bytes per request and their running sums; media "
+        "bytes moved so far (inline: every copy; by reference: each image once, from the store)"
+    )
+    print(f"{head}\n{'-' * len(head)}")
+    print("\n".join(run_grid_door(turns, results)))
+    head = (
+        f"{'refs':<4} {'requests':>8} {'fetches':>8} {'decodes':>8} {'processed':>9} {'hits':>6} "
+        f"{'served':>7} {'bytes served':>13} {'wall s':>8}"
+    )
+    print(
+        f"\none group of G={g} (448x448 photo prompt) through SimpleAgent and the real ModelServer "
+        f"(tiny Qwen2-VL): the model server's media work (cache misses) and the media server's GETs:"
+        f"\n{head}\n{'-' * len(head)}"
+    )
+    print("\n".join(run_model_server_group(1, g, results)))
 
 
 def _print_checks(checks: list[tuple[str, bool]], issues: str) -> None:

@@ -37,6 +37,15 @@ occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with t
 ``--seed`` prints the same numbers on the native path, and the same set of samples per group
 on the Gym path (the rollout order within a group follows HTTP arrival).
 
+**Media by reference** (``media_by_reference: true``, Gym path). A
+:class:`~gymbridge.media.MediaServer` over ``<run_dir>/media_store/`` starts first; the bridge
+stores each prompt's inline media once (:class:`~gymbridge.bridge.RowReferencer`) and sends the
+G ``/run`` rows with ``http://127.0.0.1:PORT/media/<key>`` references; the agent stores tool
+images the same way and replays references; the model server and the bridge trust that host
+(``MediaPolicy.media_hosts``) and verify every fetched medium against its key. The training is
+the same as with it off (same content keys, tokens, rewards); the payload table's
+``gym_request`` / ``gym_return`` rows show media logical / physical = G.
+
 **Run directory, async GRPO, resume.** Every run writes ``config.yaml``, ``dataset.jsonl``,
 ``metrics.jsonl`` (one record per step, :func:`~gymbridge.trainer.rundir.step_record`),
 ``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.trainer.rundir`,
@@ -502,6 +511,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                 gymnasium=spec.style == "gymnasium",
                 max_steps=cfg.max_turns,
                 model_timeout_s=cfg.rollout_deadline_s,
+                media_store_url=media_server.base_url if media_server is not None else None,
+                meter=meter,
             )
             agent_running = await start_server(agent)
             stack.push_async_callback(agent_running.stop)

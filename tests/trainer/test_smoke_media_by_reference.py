@@ -84,3 +84,17 @@ def test_media_by_reference_is_reported_off_on_the_native_path(tmp_path: Path) -
     result = run_smoke(cfg.model_copy(update={"run_dir": str(tmp_path)}), out=out)
     assert result.rollouts_failed == 0
     assert "media by reference: off on the native path" in out.getvalue()
+
+
+def test_model_serve_command_carries_the_media_hosts() -> None:
+    from gymbridge.trainer.generator_process import tiny_server_command
+
+    cmd = tiny_server_command(
+        seed=0,
+        max_model_len=64,
+        default_max_tokens=4,
+        prompt_seed=None,
+        enable_weight_updates=False,
+        media_hosts=("127.0.0.1:5001",),
+    )
+    assert cmd[-2:] == ["--media-host", "127.0.0.1:5001"]
