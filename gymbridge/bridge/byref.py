@@ -11,13 +11,12 @@ Invariants:
 
 * the row is never mutated; a changed part is a new dict inside new lists, everything
   else (text, http URLs, unknown items and keys, token fields) is the same object;
-* media parts are found and replaced by :func:`gymbridge.protocol.replace_inline_media`
-  (the agent's conversation uses the same rule), which reads them with
+* media parts are found with :func:`gymbridge.protocol.inline_media_sources` (built on
   ``media_ref_of_part``, the rule the model server and the trajectory layer read media
-  with: parts of message ``content`` and of ``function_call_output.output`` lists. A tool
+  with): parts of message ``content`` and of ``function_call_output.output`` lists. A tool
   output that *is* a bare data-URL string stays inline (a bare http URL there reads as
-  text, not media), and so does ``metadata.audio_data`` (genuine ``vllm_model`` reads it
-  as data URIs only);
+  text, not media), and so does
+  ``metadata.audio_data`` (genuine ``vllm_model`` reads it as data URIs only);
 * the reference names exactly the bytes the data URL holds (the key is their sha256), so
   whoever loads it decodes the same bytes and computes the same content key as inline;
 * an inline medium that cannot be decoded (bad base64, over the policy's
@@ -36,7 +35,7 @@ from gymbridge.media.hashing import content_key
 from gymbridge.media.policy import MediaPolicy
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
 from gymbridge.media.store import MediaStore
-from gymbridge.protocol import replace_inline_media
+from gymbridge.protocol import inline_media_sources, replace_media_sources
 
 __all__ = ["RowReferencer"]
 
@@ -84,7 +83,13 @@ class RowReferencer:
         if not isinstance(rcp, Mapping) or not isinstance(rcp.get("input"), list):
             return row
         items = rcp["input"]
-        new_items = replace_inline_media(items, self.reference)
+        refs: dict[str, str] = {}
+        for source in inline_media_sources(items):
+            if source not in refs:
+                ref = self.reference(source)
+                if ref is not None:
+                    refs[source] = ref
+        new_items = replace_media_sources(items, refs) if refs else items
         if new_items is items:
             return row
         return {**row, "responses_create_params": {**rcp, "input": new_items}}

@@ -30,23 +30,21 @@ Invariants:
   string is media only when it is a ``data:`` URL whose MIME type is ``image/*``,
   ``audio/*`` or ``video/*`` (a file path, an http URL or JSON text such as
   ``{"x": 3}`` adds nothing);
-* :func:`replace_inline_media` rewrites the inline (``data:``) media of conversation
-  items through a callback (media by reference: the bridge's rows, the agent's
-  conversation), never mutating them: a changed part is a new dict in a new list,
-  everything else the same object; it reaches exactly the parts
-  :func:`inline_media_urls` lists: media parts of message ``content`` and of
-  ``function_call_output.output`` lists whose reference sits in a URL slot (a string or
-  an object's ``url``); a tool output that *is* a bare data-URL string is not one (a
-  bare http URL there reads as text), nor are malformed parts;
 * a part that claims to be media but carries no usable reference raises
   :class:`~gymbridge.errors.ProtocolError` naming the part and the reason, so an
-  image is never dropped silently.
+  image is never dropped silently;
+* :func:`inline_media_sources` / :func:`replace_media_sources` (media by reference) see
+  the parts of message ``content`` and of ``function_call_output.output`` lists whose
+  reference is a ``data:`` URL in a URL slot (a string, or an object's ``url``); a bare
+  data-URL string as a tool output and inline ``{data, format}`` audio have no such slot
+  and are left alone, and ``replace_media_sources`` never mutates: changed parts are new
+  dicts in new lists, everything else is the same object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from typing import Literal
 
 from gymbridge.errors import ProtocolError
 
@@ -56,12 +54,12 @@ __all__ = [
     "Modality",
     "data_url_modality",
     "inline_audio_url",
-    "inline_media_urls",
+    "inline_media_sources",
     "media_ref_of_part",
     "media_refs_of_content",
     "media_refs_of_tool_output",
     "metadata_audio_refs",
-    "replace_inline_media",
+    "replace_media_sources",
 ]
 
 Modality = Literal["image", "audio", "video"]
@@ -242,68 +240,68 @@ def media_refs_of_tool_output(output: object) -> Iterator[MediaRef]:
     yield from media_refs_of_content(output)
 
 
-def _inline_slot(part: Mapping[str, Any]) -> tuple[str, str] | None:
-    """``(part key, data URL)`` of a media part whose reference is inline, else ``None``."""
+def _inline_slot(part: object) -> tuple[str, str] | None:
+    """``(part key, data URL)`` of a media part whose reference is an inline data URL in a URL slot."""
+    if not isinstance(part, Mapping):
+        return None
     try:
         ref = media_ref_of_part(part)
     except ProtocolError:
-        return None  # whoever loads it answers with its own precise error
+        return None  # the reader of the part answers it with its own precise error
     if ref is None or ref[0][:5].lower() != "data:":
         return None
     source = ref[0]
     for key, value in part.items():
         if value is source or (isinstance(value, Mapping) and value.get("url") is source):
-            return key, source
+            return str(key), source
     return None  # inline audio {data, format}: no URL slot to put a reference in
 
 
-def _item_parts(item: Any) -> tuple[str, list[Any]] | None:
-    """``(field, parts)`` of an item whose parts may hold media, else ``None``."""
+def _part_lists(item: object) -> tuple[Mapping[str, object], str, list[object]] | None:
+    """``(item, field, parts)`` of an item whose parts may carry media (message content, tool output list)."""
     if not isinstance(item, Mapping):
         return None
     kind = item.get("type", "message")
     field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
     parts = item.get(field) if field is not None else None
-    return (field, parts) if field is not None and isinstance(parts, list) else None
+    return (item, field, parts) if field is not None and isinstance(parts, list) else None
 
 
-def inline_media_urls(items: Any) -> list[str]:
-    """The inline data URLs :func:`replace_inline_media` would offer its callback, in order."""
-    urls: list[str] = []
-    for item in items if isinstance(items, list) else []:
-        found = _item_parts(item)
-        for part in found[1] if found is not None else []:
-            slot = _inline_slot(part) if isinstance(part, Mapping) else None
-            if slot is not None:
-                urls.append(slot[1])
-    return urls
-
-
-def replace_inline_media(items: list[Any], reference: Callable[[str], str | None]) -> list[Any]:
-    """``items`` with each inline medium's data URL replaced by ``reference(url)`` (``None``: kept).
-
-    Returns ``items`` itself when nothing changed, else a new list (see the module invariants).
-    """
-    out: list[Any] = []
-    changed = False
+def inline_media_sources(items: object) -> Iterator[str]:
+    """The inline (``data:``) media references of conversation ``items`` that a reference may replace."""
+    if not isinstance(items, list):
+        return
     for item in items:
-        found = _item_parts(item)
+        found = _part_lists(item)
+        if found is None:
+            continue
+        for part in found[2]:
+            slot = _inline_slot(part)
+            if slot is not None:
+                yield slot[1]
+
+
+def replace_media_sources(items: list[object], new: Mapping[str, str]) -> list[object]:
+    """``items`` with every inline reference found in ``new`` replaced by ``new[source]`` (see the
+    module invariants); the same list when nothing changed."""
+    out: list[object] = []
+    for item in items:
+        found = _part_lists(item)
         if found is None:
             out.append(item)
             continue
-        field, parts = found
-        new_parts: list[Any] = []
+        mapping, field, parts = found
+        new_parts: list[object] = []
         for part in parts:
-            slot = _inline_slot(part) if isinstance(part, Mapping) else None
-            new = reference(slot[1]) if slot is not None else None
-            if slot is None or new is None:
+            slot = _inline_slot(part)
+            if slot is None or slot[1] not in new or not isinstance(part, Mapping):
                 new_parts.append(part)
                 continue
-            value = part[slot[0]]
-            new_parts.append({**part, slot[0]: new if isinstance(value, str) else {**value, "url": new}})
-        if all(a is b for a, b in zip(new_parts, parts, strict=True)):
-            out.append(item)
-        else:
-            out.append({**item, field: new_parts})
-            changed = True
-    return out if changed else items
+            key, source = slot
+            value = part[key]
+            ref = new[source]
+            slot_value = ref if isinstance(value, str) else {**value, "url": ref}
+            new_parts.append({**part, key: slot_value})
+        changed = any(a is not b for a, b in zip(new_parts, parts, strict=True))
+        out.append({**mapping, field: new_parts} if changed else item)
+    return items if all(a is b for a, b in zip(out, items, strict=True)) else out

@@ -22,7 +22,7 @@ Invariants:
   references on or off;
 * each distinct content key is uploaded at most once per referencer (``HEAD`` first: a
   medium the bridge or another agent already stored is not sent again);
-* inline media are found and replaced by :func:`gymbridge.protocol.replace_inline_media`
+* inline media are found and replaced by :func:`gymbridge.protocol.replace_media_sources`
   (the bridge's rows use the same rule), which reads parts with ``media_ref_of_part``, the
   rule the model server and the trajectory layer read media with: ``input_image`` /
   ``input_audio`` / ``input_video`` (and their chat spellings) in message content and in
@@ -45,7 +45,7 @@ from gymbridge.errors import EnvServerError, EnvTimeoutError, EnvTransportError,
 from gymbridge.media.hashing import content_key
 from gymbridge.media.refs import DataRef, decode_data_payload, parse_ref
 from gymbridge.media.store import MEDIA_PATH_PREFIX
-from gymbridge.protocol import inline_media_urls, replace_inline_media
+from gymbridge.protocol import inline_media_sources, replace_media_sources
 
 __all__ = ["MediaReferencer"]
 
@@ -136,8 +136,12 @@ class MediaReferencer:
 
     async def items(self, client: aiohttp.ClientSession, items: list[Any]) -> list[Any]:
         """``items`` with their inline media referenced (the same list when none changed)."""
-        references: dict[str, str | None] = {}
-        for url in inline_media_urls(items):
-            if url not in references:
-                references[url] = await self.reference(client, url)
-        return replace_inline_media(items, references.get)
+        references: dict[str, str] = {}
+        tried: set[str] = set()
+        for url in inline_media_sources(items):
+            if url not in tried:
+                tried.add(url)
+                reference = await self.reference(client, url)
+                if reference is not None:
+                    references[url] = reference
+        return replace_media_sources(items, references) if references else items
