@@ -14,6 +14,26 @@ sampled at 2 fps -> 6 frames -> ``pixel_values_videos`` ``[48, 1176]``) and of `
 (a 3 s 16 kHz WAV -> ``input_features`` ``[1, 16, 400]``), processed by the tiny Qwen2.5-Omni
 thinker's processors, every rollout loading its clip separately.
 
+Gym request by reference (issue 16 §3; ``--gym-request`` runs only this part): ``B`` prompts x
+``G`` rollouts, one 448x448 photo-like image per prompt (a smooth colour field plus seeded
+noise, JPEG quality 90: incompressible like a real photo), sent through ``GymRollouts``
+with ``media_by_reference`` off (every ``/run`` row carries the image's base64 data URL) and on
+(``RowReferencer``: the image is stored once per prompt, every row carries a ~100 B
+``http://127.0.0.1:PORT/media/<key>`` reference; the stand-in agent loads each reference from
+the real ``MediaServer``, verified by key). Printed side by side: ``gym_request`` /
+``gym_return`` media bytes logical / physical (ideal: G) and serialized bytes off / on beside
+the ideal (every media byte sent once per prompt, everything else unchanged).
+
+Multi-turn (issue 16 §3, also with ``--gym-request``): a 10-turn ``grid_door`` episode (every
+observation a new image) through gymbridge's ``SimpleAgent`` and a scripted model server
+(a fixed walk: right, down, left, up, ..., the same in both runs), media by
+reference off and on: the bytes of each agent -> model request and the media bytes the
+episode moves (inline: turn t carries t images; by reference: each image crosses once, from
+the store). And one group (G rollouts of one 448x448 photo prompt) through ``GymRollouts`` ->
+``SimpleAgent`` -> the real ``ModelServer`` over the tiny Qwen2-VL, off and on: the model
+server's media cache counters (fetches, decodes and processor calls per content key) and the
+bytes the media server served.
+
 Boundaries: ``prompt_repeat`` (the prompts' media repeated G times), ``rollout_to_policy``
 (the whole ``TrainBatch``), ``policy_shard`` (the largest shard at DP = 2 and 8), and
 ``replay_checkpoint`` (the replay buffer's content: one ``TrainBatch`` per group). Each
@@ -57,6 +77,301 @@ def _png(seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(arr).save(buf, format="PNG", compress_level=1)
     return buf.getvalue()
+
+
+def photo_jpeg(seed: int, side: int = IMAGE_SIDE) -> bytes:
+    """A photo-like ``side`` x ``side`` JPEG: a smooth colour field plus seeded noise (incompressible)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:side, 0:side].astype(np.float32) / side
+    phase = rng.uniform(0, 2 * np.pi, size=3)
+    smooth = np.stack([128 + 90 * np.sin(4 * x + 3 * y + p) for p in phase], axis=-1)
+    arr = np.clip(smooth + rng.normal(0, 24, size=(side, side, 3)), 0, 255).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def gym_rows(prompts: int) -> list[dict[str, Any]]:
+    """``prompts`` dataset rows, each with one photo-like image as an inline data URL."""
+    from gymbridge.media import encode_data_url
+
+    rows = []
+    for i in range(prompts):
+        url = encode_data_url(photo_jpeg(i), "image/jpeg")
+        content = [
+            {"type": "input_image", "image_url": url, "detail": "auto"},
+            {"type": "input_text", "text": f"Prompt {i}: what does the picture show? Answer in one word."},
+        ]
+        rows.append(
+            {
+                "responses_create_params": {
+                    "input": [{"role": "user", "content": content}],
+                    "max_output_tokens": 64,
+                    "temperature": 1.0,
+                },
+                "expected": "noise",
+            }
+        )
+    return rows
+
+
+class _EchoAgent:
+    """A stand-in for ``GymClient`` + agent: loads every medium of the row (references through the
+    media server, verified by key) and answers the ``/run`` result shape (the row echoed back)."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.loaded: list[str] = []
+
+    async def run(self, row: dict[str, Any], *, deadline_s: float | None = None, index: int = 0) -> Any:
+        from gymbridge.client import RolloutOutcome
+        from gymbridge.protocol import media_refs_of_content
+
+        for message in row["responses_create_params"]["input"]:
+            for source, modality in media_refs_of_content(message.get("content")):
+                item = await MediaItem.from_ref(source, modality, self.policy).aload()
+                self.loaded.append(item.key)
+        output = [
+            {
+                "type": "message",
+                "role": "assistant",
+                "id": f"msg_{index}",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "noise", "annotations": []}],
+            }
+        ]
+        result = {**row, "response": {"id": f"resp_{index}", "output": output}, "reward": 1.0}
+        return RolloutOutcome(index=index, row=row, result=result, attempts=1)
+
+
+def run_gym_request(prompts: int, groups: Sequence[int], results: list[dict[str, Any]]) -> list[str]:
+    """``gym_request`` / ``gym_return`` with media by reference off and on, side by side."""
+    import asyncio
+    import tempfile
+
+    from gymbridge.bridge import GymRollouts, RowReferencer
+    from gymbridge.media import MediaPolicy, MediaServer, MediaStore
+    from gymbridge.metrics import PayloadMeter
+
+    rows = gym_rows(prompts)
+    raw_sizes = [len(photo_jpeg(i)) for i in range(prompts)]
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory() as tmp, MediaServer(MediaStore(Path(tmp))) as server:
+        policy = MediaPolicy(media_hosts=(server.host_entry,))
+        for g in groups:
+            totals: dict[bool, dict[str, Any]] = {}
+            keys: dict[bool, list[str]] = {}
+            for on in (False, True):
+                meter = PayloadMeter(enabled=True, media_size=server.store.size)
+                agent = _EchoAgent(policy)
+                referencer = RowReferencer(server.store, server.url_for) if on else None
+                source = GymRollouts(agent, meter=meter, referencer=referencer)  # type: ignore[arg-type]
+
+                async def go(src: GymRollouts = source, group: int = g) -> None:
+                    for i, row in enumerate(rows):
+                        records = await src.rollouts(row, task_index=i, group_size=group)
+                        assert all(r.ok for r in records)
+
+                asyncio.run(go())
+                totals[on] = meter.report()
+                keys[on] = agent.loaded
+            assert keys[False] == keys[True], "references must load the same bytes (same content keys)"
+            raw = sum(raw_sizes)
+            for boundary in ("gym_request", "gym_return"):
+                off, on_ = totals[False][boundary], totals[True][boundary]
+                ideal_on = off.serialized_bytes - g * sum(4 * ((n + 2) // 3) for n in raw_sizes) + raw
+                on_total = on_.serialized_bytes + raw  # + the store serving each image once
+                ratio, ideal = off.serialized_bytes / on_total, off.serialized_bytes / ideal_on
+                media_ratio = on_.logical_media_bytes / on_.physical_media_bytes
+                results.append(
+                    {
+                        "g": g,
+                        "variant": "by_reference",
+                        "boundary": boundary,
+                        "media_ratio": media_ratio,
+                        "ratio": ratio,
+                        "ideal": ideal,
+                    }
+                )
+                lines.append(
+                    f"{g:>3} {boundary:<12} {_fmt(off.serialized_bytes)} {_fmt(on_total)} {_fmt(ideal_on)} "
+                    f"{ratio:>6.2f}x {ideal:>6.2f}x {100 * ratio / ideal:>6.1f}%   "
+                    f"{_fmt(on_.logical_media_bytes)} {_fmt(on_.physical_media_bytes)} {media_ratio:>6.2f}x "
+                    f"(off {off.logical_media_bytes / off.physical_media_bytes:.2f}x)"
+                )
+    return lines
+
+
+async def _grid_door_requests(turns: int, media_store_url: str | None) -> list[dict[str, Any]]:
+    """The agent -> model request bodies of one ``turns``-turn grid_door episode (scripted model)."""
+    import aiohttp
+
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.testing.scripted_model import ScriptedModelServer
+    from gymbridge_envs.grid_door.data import generate as grid_door_rows
+    from gymbridge_envs.grid_door.server import GridDoorServer
+
+    env = await start_server(GridDoorServer())
+    # a walk (right, down, left, up, ...): the observations change, so the images differ
+    moves = ["right", "down", "left", "up"]
+    model = ScriptedModelServer([f"<action>{moves[t % 4]}</action>" for t in range(turns)])
+    await model.start()
+    agent = await start_server(
+        SimpleAgent(
+            resources_url=env.url,
+            model_url=model.url,
+            gymnasium=True,
+            max_steps=turns,
+            media_store_url=media_store_url,
+        )
+    )
+    row = {**next(iter(grid_door_rows(1, seed=3))), "max_steps": turns}
+    try:
+        async with aiohttp.ClientSession() as http, http.post(agent.url + "/run", json=row) as reply:
+            assert reply.status == 200, await reply.text()
+    finally:
+        await agent.stop()
+        await model.stop()
+        await env.stop()
+    return list(model.requests)
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:>9.1f} KiB"
+
+
+def run_grid_door(turns: int, results: list[dict[str, Any]]) -> list[str]:
+    """Per-turn agent -> model bytes of a grid_door episode, media inline vs by reference."""
+    import asyncio
+    import json
+    import tempfile
+
+    from gymbridge.media import MediaServer, MediaStore
+    from gymbridge.metrics import payload_stats
+
+    inline = asyncio.run(_grid_door_requests(turns, None))
+    with tempfile.TemporaryDirectory() as tmp, MediaServer(MediaStore(Path(tmp))) as server:
+        referenced = asyncio.run(_grid_door_requests(turns, server.base_url))
+        stored = sum(server.store.size(k) or 0 for k in server.store.keys())  # noqa: SIM118 (a method)
+        lines = []
+        sum_off = sum_on = media_off = media_on = logical_on = 0
+        sent: set[str] = set()
+        for t, (a, b) in enumerate(zip(inline, referenced, strict=True), start=1):
+            off_bytes, on_bytes = len(json.dumps(a)), len(json.dumps(b))
+            sum_off += off_bytes
+            sum_on += on_bytes
+            off_stats = payload_stats(a)
+            on_stats = payload_stats(b, media_size=server.store.size, sent_keys=sent)
+            media_off += off_stats.physical_media_bytes
+            media_on += on_stats.physical_media_bytes
+            logical_on += on_stats.logical_media_bytes
+            lines.append(
+                f"{t:>4} {off_stats.num_refs:>6} {_kib(off_bytes)} {_kib(on_bytes)} {_kib(sum_off)} "
+                f"{_kib(sum_on)} {_kib(media_off)} {_kib(media_on)}"
+            )
+    results.append(
+        {
+            "g": turns,
+            "variant": "grid_door",
+            "boundary": "model_request",
+            "media_on": media_on,
+            "media_off": media_off,
+            "logical_on": logical_on,
+            "stored": stored,
+            "sum_off": sum_off,
+            "sum_on": sum_on,
+        }
+    )
+    return lines
+
+
+async def _group_through_model_server(
+    rows: list[dict[str, Any]], g: int, by_reference: bool, store_dir: Path
+) -> tuple[dict[str, Any], int, int, float]:
+    """One group per row through GymRollouts -> SimpleAgent -> ModelServer(tiny Qwen2-VL)."""
+    import aiohttp
+
+    from gymbridge.bridge import GymRollouts, RowReferencer
+    from gymbridge.client import GymClient
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.generation.server import ModelServer, ModelServerConfig
+    from gymbridge.media import MediaPolicy, MediaServer, MediaStore
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.server.examples import CounterEnv
+
+    tiny = build_tiny_vlm(0)
+    media = MediaServer(MediaStore(store_dir))
+    media.start()
+    generator = HFGenerator(tiny.model, tiny.processor, max_model_len=4096)
+    model = ModelServer(
+        generator,
+        config=ModelServerConfig(model_name="tiny", max_model_len=4096, default_max_tokens=2),
+        media_policy=MediaPolicy(media_hosts=(media.host_entry,)),
+    )
+    model_url = await model.start()
+    env = await start_server(CounterEnv())
+    agent = await start_server(
+        SimpleAgent(
+            resources_url=env.url,
+            model_url=model_url,
+            max_steps=1,
+            media_store_url=media.base_url if by_reference else None,
+        )
+    )
+    client = GymClient(agent.url, deadline_s=600)
+    referencer = RowReferencer(media.store, media.url_for) if by_reference else None
+    source = GymRollouts(client, deadline_s=600, referencer=referencer)
+    started = time.perf_counter()
+    try:
+        for i, row in enumerate(rows):
+            records = await source.rollouts(row, task_index=i, group_size=g)
+            assert all(r.ok for r in records), [r.failure_reason for r in records]
+        elapsed = time.perf_counter() - started
+        async with aiohttp.ClientSession() as http, http.get(model_url + "/media_cache") as reply:
+            stats: dict[str, Any] = await reply.json()
+        served, served_bytes = media.requests_served, media.bytes_served
+    finally:
+        await client.aclose()
+        await agent.stop()
+        await env.stop()
+        await model.stop()
+        media.stop()
+    return stats, served, served_bytes, elapsed
+
+
+def run_model_server_group(prompts: int, g: int, results: list[dict[str, Any]]) -> list[str]:
+    """The model server's fetch / decode / process counts for ``prompts`` groups of ``g``, off and on."""
+    import asyncio
+    import tempfile
+
+    rows = gym_rows(prompts)
+    lines = []
+    for on in (False, True):
+        with tempfile.TemporaryDirectory() as tmp:
+            stats, served, served_bytes, elapsed = asyncio.run(
+                _group_through_model_server(rows, g, on, Path(tmp))
+            )
+        kinds = stats["kinds"]
+
+        def count(kind: str, field: str, k: dict[str, Any] = kinds) -> int:
+            return int(k.get(kind, {}).get(field, 0))
+
+        work = {kind: count(kind, "misses") for kind in ("fetched:image", "decoded:image", "processed:image")}
+        results.append(
+            {
+                "g": g,
+                "variant": "model_server",
+                "boundary": "on" if on else "off",
+                "work": work,
+                "prompts": prompts,
+            }
+        )
+        lines.append(
+            f"{'on' if on else 'off':<4} {g * prompts:>8} {work['fetched:image']:>8} "
+            f"{work['decoded:image']:>8} {work['processed:image']:>9} {count('processed:image', 'hits'):>6} "
+            f"{served:>7} {_kib(served_bytes)} {elapsed:>8.2f}"
+        )
+    return lines
 
 
 def _prompt(tiny: TinyVLM, n_image_tokens: int) -> list[int]:
@@ -325,6 +640,40 @@ def run_config(
 def check_targets(results: list[dict[str, Any]], shard_noise: float = 0.10) -> list[tuple[str, bool]]:
     """The issue's targets as (description, met): ratios against the ideal, dedup-on timings vs off."""
     checks: list[tuple[str, bool]] = []
+    for r in results:
+        if r["variant"] == "grid_door":
+            turns = r["g"]
+            checks.append(
+                (
+                    f"grid_door {turns} turns: media moved by reference {_kib(r['media_on']).strip()} = each "
+                    f"image once ({_kib(r['stored']).strip()} stored, linear in turns); inline "
+                    f"{_kib(r['media_off']).strip()} = every copy (turn t carries t images: quadratic), "
+                    f"{r['media_off'] / r['media_on']:.2f}x (>= (T+1)/2 = {(turns + 1) / 2:.1f}x when every "
+                    "image is new)",
+                    r["media_on"] == r["stored"] > 0
+                    and r["media_off"] == r["logical_on"]
+                    and r["media_off"] / r["media_on"] >= 0.8 * (turns + 1) / 2,
+                )
+            )
+        if r["variant"] == "model_server" and r["boundary"] == "on":
+            work = r["work"]
+            checks.append(
+                (
+                    f"model server, {r['prompts']} group(s) of G={r['g']} by reference: fetched / "
+                    f"decoded / processed {work['fetched:image']} / {work['decoded:image']} / "
+                    f"{work['processed:image']} times (once per group)",
+                    all(v == r["prompts"] for v in work.values()),
+                )
+            )
+        if r["variant"] == "by_reference":
+            checks.append(
+                (
+                    f"{r['boundary']} G={r['g']} by reference: media logical/physical "
+                    f"{r['media_ratio']:.2f}x >= 0.9 x G; serialized off/on {r['ratio']:.2f}x "
+                    f"within 10% of ideal {r['ideal']:.2f}x",
+                    r["media_ratio"] >= 0.9 * r["g"] and abs(r["ratio"] / r["ideal"] - 1) <= 0.10,
+                )
+            )
     r2p = [r for r in results if r["boundary"] == "rollout_to_policy"]
     for r in r2p:
         if r["variant"] in ("video", "audio"):
@@ -376,8 +725,32 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: stable timings on shared CPUs)"
     )
+    parser.add_argument(
+        "--gym-request",
+        action="store_true",
+        help="only the Gym request by reference (issue 16), at G = 8 and 16 unless --groups is given",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    gym_groups = [g for g in args.groups if g >= 8] or args.groups
+    results: list[dict[str, Any]] = []
+    gym_header = (
+        f"{'G':>3} {'boundary':<12} {'off':>12} {'on':>12} {'ideal on':>12} {'off/on':>7} {'ideal':>7} "
+        f"{'of ideal':>7}   {'logical':>12} {'physical':>12} {'ratio':>7}"
+    )
+    gym_note = (
+        f"B={args.prompts} prompts, one {IMAGE_SIDE}x{IMAGE_SIDE} photo-like JPEG each "
+        f"({_fmt(sum(len(photo_jpeg(i)) for i in range(args.prompts))).strip()} in all); serialized bytes "
+        "(pickle-5 of every /run row or result; 'on' adds each image once, as the store serves it), "
+        "then the 'on' media bytes logical / physical (ideal: G)"
+    )
+    if args.gym_request:
+        groups = args.groups if "--groups" in sys.argv else [8, 16]
+        print(f"Gym request by reference: {gym_note}\n{gym_header}\n{'-' * len(gym_header)}")
+        print("\n".join(run_gym_request(args.prompts, groups, results)))
+        _print_multiturn(results)
+        _print_checks(check_targets(results), "16")
+        return
 
     tiny = build_tiny_vlm(0)
     # Full-resolution Qwen2-VL image processing (the tiny test processor caps pixels lower).
@@ -396,7 +769,6 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     timings: list[str] = []
-    results: list[dict[str, Any]] = []
     for g in args.groups:
         for tool in (False, True):
             lines, timing = run_config(
@@ -427,8 +799,37 @@ def main() -> None:
     print("-" * len(th))
     print("\n".join(timings))
     print(f"({note})")
-    checks = check_targets(results)
-    print("\ntargets (issue 4):")
+    print(f"\nGym request by reference: {gym_note}\n{gym_header}\n{'-' * len(gym_header)}")
+    print("\n".join(run_gym_request(args.prompts, gym_groups, results)))
+    _print_multiturn(results)
+    _print_checks(check_targets(results), "4, 16")
+
+
+def _print_multiturn(results: list[dict[str, Any]], turns: int = 10, g: int = 8) -> None:
+    head = (
+        f"{'turn':>4} {'images':>6} {'request off':>13} {'request on':>13} {'sum off':>13} {'sum on':>13} "
+        f"{'media off':>13} {'media on':>13}"
+    )
+    print(
+        f"\ngrid_door, {turns} turns, agent -> model: JSON bytes per request and their running sums; media "
+        "bytes moved so far (inline: every copy; by reference: each image once, from the store)"
+    )
+    print(f"{head}\n{'-' * len(head)}")
+    print("\n".join(run_grid_door(turns, results)))
+    head = (
+        f"{'refs':<4} {'requests':>8} {'fetches':>8} {'decodes':>8} {'processed':>9} {'hits':>6} "
+        f"{'served':>7} {'bytes served':>13} {'wall s':>8}"
+    )
+    print(
+        f"\none group of G={g} (448x448 photo prompt) through SimpleAgent and the real ModelServer "
+        f"(tiny Qwen2-VL): the model server's media work (cache misses) and the media server's GETs:"
+        f"\n{head}\n{'-' * len(head)}"
+    )
+    print("\n".join(run_model_server_group(1, g, results)))
+
+
+def _print_checks(checks: list[tuple[str, bool]], issues: str) -> None:
+    print(f"\ntargets (issue {issues}):")
     for text, met in checks:
         print(f"  {'PASS' if met else 'FAIL'}  {text}")
     if not all(met for _, met in checks):

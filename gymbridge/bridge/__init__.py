@@ -3,13 +3,15 @@
 Public API (stable): :class:`BridgeIterator` (sync and async iteration), :class:`BridgeStats`,
 :class:`BridgeStalledError`, the rollout sources :class:`GymRollouts` (agent ``/run``) and
 :class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`, :class:`ReplayBuffer`
-(atomic checkpoints) and :func:`write_atomic`; toy shaping and seeds:
+(atomic checkpoints) and :func:`write_atomic`; :class:`RowReferencer` (media by reference:
+a prompt's inline media stored once, the G rows carry references); toy shaping and seeds:
 :class:`TokenRateShaping` / :class:`ShapingConfig` (a ``reward_fn``),
 :func:`rollout_seed`, :class:`PromptSeededGenerator`. See ``docs/bridge.md``.
 """
 
 from __future__ import annotations
 
+from gymbridge.bridge.byref import RowReferencer
 from gymbridge.bridge.iterator import BridgeIterator, BridgeStalledError, BridgeStats, GroupResult, read_rows
 from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError
 from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
@@ -28,6 +30,7 @@ __all__ = [
     "ReplayCheckpointError",
     "RolloutRecord",
     "RolloutSource",
+    "RowReferencer",
     "ShapingConfig",
     "TokenRateShaping",
     "indexed_rows",

@@ -15,6 +15,10 @@ exception). Two sources ship:
 
 Both return the ``/run`` result shape, so one postprocessor serves both. Payload metrics
 (``prompt_repeat``, ``gym_request``, ``gym_return``) are recorded when a meter is given.
+
+Media by reference (``GymRollouts(referencer=...)``, a :class:`~gymbridge.bridge.RowReferencer`):
+the row's inline media are put into the media store once per prompt, before the G rows are
+made, so every ``/run`` request carries ~100-byte references instead of base64 copies.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from gymbridge.bridge.shaping import rollout_seed
 from gymbridge.errors import GymbridgeError
 
 if TYPE_CHECKING:
+    from gymbridge.bridge.byref import RowReferencer
     from gymbridge.client import GymClient
     from gymbridge.generation.types import Generator, SamplingConfig
     from gymbridge.media import MediaPolicy
@@ -80,20 +85,30 @@ class GymRollouts:
     """The Gym path: every rollout is one ``POST /run`` through ``client`` (deadlines, bounded retries)."""
 
     def __init__(
-        self, client: GymClient, *, deadline_s: float | None = None, meter: PayloadMeter | None = None
+        self,
+        client: GymClient,
+        *,
+        deadline_s: float | None = None,
+        meter: PayloadMeter | None = None,
+        referencer: RowReferencer | None = None,
     ) -> None:
         self.client = client
         self.deadline_s = deadline_s
         self.meter = meter
+        self.referencer = referencer
 
     async def rollouts(
         self, row: Mapping[str, Any], *, task_index: int, group_size: int
     ) -> list[RolloutRecord]:
+        if self.referencer is not None:  # decode + hash + one file write per new medium: off the loop
+            row = await asyncio.to_thread(self.referencer.row, row)
         rows = indexed_rows(row, task_index, group_size)
+        sent: set[str] = set()  # a referenced medium's bytes cross once per prompt, its URL G times
+        returned: set[str] = set()
         if self.meter is not None:
             self.meter.record("prompt_repeat", rows)
             for r in rows:
-                self.meter.record("gym_request", r)
+                self.meter.record("gym_request", r, sent_keys=sent)
         outcomes = await asyncio.gather(
             *(self.client.run(r, deadline_s=self.deadline_s, index=i) for i, r in enumerate(rows))
         )
@@ -101,7 +116,7 @@ class GymRollouts:
         for i, out in enumerate(outcomes):
             if out.result is not None:
                 if self.meter is not None:
-                    self.meter.record("gym_return", out.result)
+                    self.meter.record("gym_return", out.result, sent_keys=returned)
                 records.append(
                     RolloutRecord(
                         task_index, i, result=out.result, attempts=out.attempts, elapsed_s=out.elapsed_s

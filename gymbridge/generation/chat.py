@@ -141,16 +141,24 @@ class ParsedOutput:
 # --------------------------------------------------------------------------- normalisation
 
 
+MediaLoader = Callable[[str, Literal["image", "audio", "video"]], "MediaItem"]
+"""``(source, modality) -> MediaItem``: how a conversation's media references become items."""
+
+
 def _load(source: str, modality: Literal["image", "audio", "video"], policy: MediaPolicy | None) -> MediaItem:
     from gymbridge.media import load_media
 
     return load_media(source, modality, policy)
 
 
+def _loader(policy: MediaPolicy | None, loader: MediaLoader | None) -> MediaLoader:
+    return loader if loader is not None else lambda source, modality: _load(source, modality, policy)
+
+
 _TEXT_PART_TYPES: frozenset[str] = frozenset({"text", "input_text", "output_text"})
 
 
-def _parts_from_content(content: Any, policy: MediaPolicy | None, where: str) -> list[str | MediaItem]:
+def _parts_from_content(content: Any, load: MediaLoader, where: str) -> list[str | MediaItem]:
     """Text and media parts of a message ``content`` (a string, ``None`` or a list of parts).
 
     Text parts are kept as strings; every other part must be a media part by
@@ -185,17 +193,17 @@ def _parts_from_content(content: Any, policy: MediaPolicy | None, where: str) ->
         if ref is None:
             raise ProtocolError(f"{where}: unsupported content part type {kind!r}")
         source, modality = ref
-        parts.append(_load(source, modality, policy))
+        parts.append(load(source, modality))
     return parts
 
 
-def _parts_from_tool_output(output: Any, policy: MediaPolicy | None, where: str) -> list[str | MediaItem]:
+def _parts_from_tool_output(output: Any, load: MediaLoader, where: str) -> list[str | MediaItem]:
     """A ``function_call_output.output``: a media data URL (image, audio or video), text, or parts."""
     if isinstance(output, str):
         refs = list(media_refs_of_tool_output(output))
         if refs:
-            return [_load(source, modality, policy) for source, modality in refs]
-    return _parts_from_content(output, policy, where)
+            return [load(source, modality) for source, modality in refs]
+    return _parts_from_content(output, load, where)
 
 
 def _token_prefix(obj: Mapping[str, Any], where: str) -> list[int] | None:
@@ -218,8 +226,15 @@ def _arguments_str(arguments: Any) -> str:
     return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
 
-def chat_to_messages(messages: Any, *, policy: MediaPolicy | None = None) -> list[ChatMessage]:
-    """Chat Completions ``messages`` (the shape genuine ``vllm_model`` sends) -> :class:`ChatMessage` s."""
+def chat_to_messages(
+    messages: Any, *, policy: MediaPolicy | None = None, loader: MediaLoader | None = None
+) -> list[ChatMessage]:
+    """Chat Completions ``messages`` (the shape genuine ``vllm_model`` sends) -> :class:`ChatMessage` s.
+
+    Media load through ``loader`` when given (the model server's cache), else ``load_media``
+    under ``policy``.
+    """
+    load = _loader(policy, loader)
     if not isinstance(messages, list) or not messages:
         raise ProtocolError("'messages' must be a non-empty list")
     out: list[ChatMessage] = []
@@ -230,7 +245,7 @@ def chat_to_messages(messages: Any, *, policy: MediaPolicy | None = None) -> lis
         role = m.get("role")
         if role not in _ROLES:
             raise ProtocolError(f"{where}: unknown role {role!r}")
-        msg = ChatMessage(role=role, parts=_parts_from_content(m.get("content"), policy, where))
+        msg = ChatMessage(role=role, parts=_parts_from_content(m.get("content"), load, where))
         if role == "assistant":
             reasoning = m.get("reasoning_content") or m.get("reasoning")
             if isinstance(reasoning, str) and reasoning:
@@ -262,8 +277,12 @@ def responses_to_messages(
     instructions: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     policy: MediaPolicy | None = None,
+    loader: MediaLoader | None = None,
 ) -> list[ChatMessage]:
     """Responses API ``input`` (a string or a list of items) -> :class:`ChatMessage` s.
+
+    Media load through ``loader`` when given (the model server's cache), else ``load_media``
+    under ``policy``.
 
     Consecutive assistant-side items (``reasoning``, assistant ``message``,
     ``function_call``) merge into one assistant message, as one model call produced
@@ -272,6 +291,7 @@ def responses_to_messages(
     ``audio_paths``, :func:`gymbridge.protocol.metadata_audio_refs`) is attached to the first
     user message, before its text; a path is read only under the policy's allowed local roots.
     """
+    load = _loader(policy, loader)
     items: list[Any]
     if isinstance(input_items, str):
         items = [{"type": "message", "role": "user", "content": input_items}]
@@ -300,7 +320,7 @@ def responses_to_messages(
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "message" and item.get("role") == "assistant":
             a = assistant()
-            a.parts.extend(_parts_from_content(item.get("content"), policy, where))
+            a.parts.extend(_parts_from_content(item.get("content"), load, where))
         elif kind == "reasoning":
             a = assistant()
             summary = item.get("summary") or []
@@ -322,7 +342,7 @@ def responses_to_messages(
             )
         elif kind == "function_call_output":
             pending = None
-            parts = _parts_from_tool_output(item.get("output"), policy, where)
+            parts = _parts_from_tool_output(item.get("output"), load, where)
             out.append(ChatMessage(role="tool", parts=parts, tool_call_id=item.get("call_id")))
             continue
         elif kind == "message":
@@ -330,7 +350,7 @@ def responses_to_messages(
             if role not in _ROLES or role == "tool":
                 raise ProtocolError(f"{where}: unknown message role {role!r}")
             pending = None
-            out.append(ChatMessage(role=role, parts=_parts_from_content(item.get("content"), policy, where)))
+            out.append(ChatMessage(role=role, parts=_parts_from_content(item.get("content"), load, where)))
             continue
         else:
             raise ProtocolError(f"{where}: item type {kind!r} cannot be rendered for a chat model")
@@ -343,7 +363,7 @@ def responses_to_messages(
         if first_user is None:
             first_user = ChatMessage(role="user")
             out.append(first_user)
-        first_user.parts[0:0] = [_load(source, "audio", policy) for source, _ in audio_refs]
+        first_user.parts[0:0] = [load(source, "audio") for source, _ in audio_refs]
     return out
 
 
@@ -375,6 +395,15 @@ class ChatCodec:
     text, ``processor(text=..., images=...)`` to expand media placeholders) or a bare
     tokenizer for text-only models. ``end_of_turn`` defaults to ``"<|im_end|>"`` when
     the vocabulary has it, else the tokenizer's eos token.
+
+    Placeholder expansion without the processor: given ``placeholders`` (an item's
+    placeholder token count, e.g. from the model server's cache of processor outputs),
+    :meth:`encode` repeats each medium's placeholder token (``processor.image_token`` /
+    ``video_token`` / ``audio_token``) that many times and tokenizes the text alone, so a
+    cached medium is never run through the processor again. The first time a modality is
+    expanded this way the processor's own answer is computed too and compared: any
+    difference (a processor that expands differently) turns the shortcut off for that
+    modality for good (logged), so the prompt tokens are always the processor's.
     """
 
     def __init__(
@@ -398,6 +427,8 @@ class ChatCodec:
         self.end_of_turn_id: int = int(vocab[end_of_turn])
         self.reasoning_parser = reasoning_parser
         self.tool_parser = tool_parser
+        self._expansion_ok: dict[str, bool] = {}
+        """Modality -> whether expanding its placeholders by count gave the processor's tokens."""
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -466,14 +497,19 @@ class ChatCodec:
         return text
 
     def encode(
-        self, text: str, media: Sequence[MediaItem] = (), *, decode: Callable[[MediaItem], Any] | None = None
+        self,
+        text: str,
+        media: Sequence[MediaItem] = (),
+        *,
+        decode: Callable[[MediaItem], Any] | None = None,
+        placeholders: Callable[[MediaItem], int | None] | None = None,
     ) -> list[int]:
         """Token ids of ``text`` with each media placeholder expanded for ``media`` (in order).
 
         Images, videos and audio clips go to the processor as ``images=`` / ``videos=`` /
         ``audio=``; a modality the processor has no sub-processor for is refused with
         ``ProtocolError``. ``decode`` (default ``MediaItem.image``) lets a caller reuse images
-        it already decoded.
+        it already decoded; ``placeholders`` expands by count instead (class docstring).
         """
         if not media:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
@@ -489,6 +525,71 @@ class ChatCodec:
                 f"{len(refused)} such item(s) (first: {refused[0].short_source!r}): serve a model whose "
                 "processor takes them (the tiny omni model takes image, video and audio)"
             )
+        if placeholders is not None:
+            expanded = self._expanded(text, media, placeholders, decode)
+            if expanded is not None:
+                return expanded
+        return self._processor_encode(text, media, decode)
+
+    def _placeholder_tokens(self) -> dict[str, str]:
+        tokens: dict[str, str] = {}
+        for modality in ("image", "video", "audio"):
+            token = getattr(self.processor, f"{modality}_token", None)
+            if isinstance(token, str) and token:
+                tokens[token] = modality
+        return tokens
+
+    def _expanded(
+        self,
+        text: str,
+        media: Sequence[MediaItem],
+        placeholders: Callable[[MediaItem], int | None],
+        decode: Callable[[MediaItem], Any] | None,
+    ) -> list[int] | None:
+        """:meth:`encode` by placeholder counts, or ``None`` to let the processor do it."""
+        modalities = {m.modality for m in media}
+        tokens = self._placeholder_tokens()
+        if not modalities <= set(tokens.values()) or any(
+            self._expansion_ok.get(mod) is False for mod in modalities
+        ):
+            return None
+        queues: dict[str, list[int]] = {mod: [] for mod in tokens.values()}
+        for m in media:
+            count = placeholders(m)
+            if count is None:
+                return None
+            queues[m.modality].append(count)
+        pattern = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)))
+        pieces: list[str] = []
+        pos = 0
+        for match in pattern.finditer(text):
+            queue = queues[tokens[match.group(0)]]
+            if not queue:
+                return None  # more placeholders than media: the processor says what is wrong
+            pieces += [text[pos : match.start()], match.group(0) * queue.pop(0)]
+            pos = match.end()
+        if any(queues.values()):
+            return None  # media without placeholders: likewise
+        pieces.append(text[pos:])
+        ids = [int(t) for t in self.tokenizer("".join(pieces), add_special_tokens=False)["input_ids"]]
+        unchecked = [mod for mod in modalities if mod not in self._expansion_ok]
+        if unchecked:
+            reference = self._processor_encode(text, media, decode)
+            for mod in unchecked:
+                self._expansion_ok[mod] = reference == ids
+            if reference != ids:
+                logger.warning(
+                    "expanding %s placeholders by count does not give %s's tokens: the processor "
+                    "expands them from now on",
+                    "/".join(sorted(unchecked)),
+                    type(self.processor).__name__,
+                )
+                return reference
+        return ids
+
+    def _processor_encode(
+        self, text: str, media: Sequence[MediaItem], decode: Callable[[MediaItem], Any] | None
+    ) -> list[int]:
         by_modality: dict[str, list[Any]] = {}
         for m in media:
             value = (decode or _decode_image)(m) if m.modality == "image" else _decode_other(m)
@@ -516,8 +617,12 @@ class ChatCodec:
         *,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         decode: Callable[[MediaItem], Any] | None = None,
+        placeholders: Callable[[MediaItem], int | None] | None = None,
     ) -> RenderedPrompt:
-        """Prompt tokens for the next model call over ``messages`` (see the module docstring)."""
+        """Prompt tokens for the next model call over ``messages`` (see the module docstring).
+
+        ``decode`` and ``placeholders`` are passed to :meth:`encode`.
+        """
         media = [p for m in messages for p in m.media]
         k = next(
             (i for i in range(len(messages) - 1, -1, -1) if messages[i].prefix_token_ids is not None), None
@@ -526,7 +631,9 @@ class ChatCodec:
             messages, tools, add_generation_prompt=True, chat_template_kwargs=chat_template_kwargs
         )
         if k is None:
-            return RenderedPrompt(self.encode(full, media, decode=decode), media, spliced=False)
+            return RenderedPrompt(
+                self.encode(full, media, decode=decode, placeholders=placeholders), media, spliced=False
+            )
         prefix = list(messages[k].prefix_token_ids or [])
         upto = self.template_text(
             messages[: k + 1], tools, add_generation_prompt=False, chat_template_kwargs=chat_template_kwargs
@@ -549,7 +656,8 @@ class ChatCodec:
         if not prefix or prefix[-1] != self.end_of_turn_id:
             prefix.append(self.end_of_turn_id)
         suffix_media = [p for m in messages[k + 1 :] for p in m.media]
-        return RenderedPrompt(prefix + self.encode(suffix, suffix_media, decode=decode), media, spliced=True)
+        suffix_ids = self.encode(suffix, suffix_media, decode=decode, placeholders=placeholders)
+        return RenderedPrompt(prefix + suffix_ids, media, spliced=True)
 
     # ---- parsing
 

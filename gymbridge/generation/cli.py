@@ -69,6 +69,20 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--allowed-local-root", action="append", default=[], help="media: allowed file:// root")
     p.add_argument("--allowed-http-host", action="append", default=[], help="media: allowed http(s) host")
+    p.add_argument(
+        "--media-host",
+        action="append",
+        default=[],
+        help="media: host:port of a gymbridge media store (its /media/<key> references are fetched once "
+        "and verified by key)",
+    )
+    p.add_argument(
+        "--media-cache-bytes",
+        type=int,
+        default=None,
+        help="bound of the cache of fetched / decoded / processed media by content key "
+        "(default 512 MiB; 0: off); counters at GET /media_cache",
+    )
     p.set_defaults(func=_cmd_serve)
 
 
@@ -152,10 +166,12 @@ async def _serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.default_max_tokens,
         reasoning_parser=not args.no_reasoning_parser,
         max_batch_size=args.max_batch_size,
+        **({} if args.media_cache_bytes is None else {"media_cache_bytes": args.media_cache_bytes}),
     )
     policy = MediaPolicy(
         allowed_local_roots=tuple(Path(r) for r in args.allowed_local_root),
         allowed_http_hosts=tuple(args.allowed_http_host),
+        media_hosts=tuple(args.media_host),
     )
     sink: Any = None
     if args.enable_weight_updates:

@@ -54,8 +54,8 @@ import inspect
 import logging
 import random
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -70,12 +70,19 @@ from gymbridge.generation.types import (
 )
 from gymbridge.trajectory.types import GenerationInput
 
+if TYPE_CHECKING:
+    from gymbridge.media.cache import MediaCache
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["HFGenerator", "suppress_logits"]
 
 
 _PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
 
 
 def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
@@ -137,6 +144,7 @@ class HFGenerator:
         self._wants_mm_token_types = "mm_token_type_ids" in self._forward_params
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
+        self._media_cache: MediaCache | None = None
         self.policy_version: int = 0
         """Version of the weights now in :attr:`model` (0: the initial weights)."""
         # seeds of unseeded calls (the global torch RNG is forked per call, so cannot serve)
@@ -269,12 +277,18 @@ class HFGenerator:
                 f"{where}: token id {bad} is out of range [0, {self.vocab_size}) for this model's vocabulary"
             )
 
+    def use_media_cache(self, cache: MediaCache | None) -> None:
+        """Reuse processor outputs by content key from ``cache`` (the model server attaches its own)."""
+        self._media_cache = cache
+
     def media_kwargs(self, inputs: Sequence[GenerationInput]) -> dict[str, Any]:
         """Model inputs for the rows' media (images, videos, audio), placeholder-checked per modality.
 
         Each medium goes through :func:`~gymbridge.tensors.processor.process_decoded` (the
         function the trainer's batches use), one at a time; a modality's tensors are
-        concatenated in row order, then in the order of the row's media.
+        concatenated in row order, then in the order of the row's media. With a media cache
+        (:meth:`use_media_cache`, the model server's) a medium's tensors are computed once per
+        content key (``GenerationInput.media`` gives the keys).
         """
         from gymbridge.tensors.processor import num_placeholders, process_decoded, sub_processors
 
@@ -298,9 +312,14 @@ class HFGenerator:
                 if sub is None:
                     raise ProtocolError(f"this model's processor cannot take {modality} (input {i})")
                 want = 0
-                for item in items:
+                keys = [m.key for m in inp.media if m.modality == modality]
+                cache = self._media_cache if len(keys) == len(items) else None
+                for j, item in enumerate(items):
                     try:
-                        outputs = process_decoded(modality, sub, item)
+                        if cache is not None:
+                            outputs = cache.processed(modality, sub, keys[j], _constant(item))
+                        else:
+                            outputs = process_decoded(modality, sub, item)
                     except Exception as exc:
                         name = type(sub).__name__
                         raise ProtocolError(

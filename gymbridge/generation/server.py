@@ -44,6 +44,16 @@ outside ``(0, 1]``, a ``seed`` outside 64 bits, ``stop_token_ids`` outside ``[0,
 text alone cannot fit the context (its characters over the longest token's length
 already exceed ``max_model_len``) is refused before it is tokenized.
 
+Media by content key (:class:`~gymbridge.media.cache.MediaCache`, bounded by
+``media_cache_bytes``, LRU): a media-store reference (``<host>/media/<key>`` on a host in
+the policy's ``media_hosts``) is fetched once and its bytes verified against the key; every
+medium, inline or referenced, is decoded once and processed once per content key (the
+placeholder expansion counts from the cached processor outputs:
+:meth:`ChatCodec.encode` ``placeholders``; :class:`~gymbridge.generation.hf.HFGenerator`
+reuses the same tensors for the forward), so a group's G requests sharing an image cost
+one fetch, one decode and one processor call per server. ``GET /media_cache`` answers
+the cache's counters (hits, misses, evictions, bytes per kind); they are logged at shutdown.
+
 Request preparation (media decoding, chat template, tokenizer) runs in the server's
 own bounded thread pools, off the event loop and off the default executor:
 ``prepare_threads`` threads build and render every request, and requests with media
@@ -81,12 +91,13 @@ from gymbridge.generation.chat import (
 from gymbridge.generation.outputs import chat_message, response_items
 from gymbridge.generation.types import ContextLengthError, Generation, Generator, SamplingConfig
 from gymbridge.limits import loads_json
+from gymbridge.media.cache import DEFAULT_MEDIA_CACHE_BYTES, MediaCache
 from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
 from gymbridge.trajectory.types import GenerationInput
 
 if TYPE_CHECKING:
     from gymbridge.generation.weights import WeightSink
-    from gymbridge.media import MediaPolicy
+    from gymbridge.media import MediaItem, MediaPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +141,8 @@ class ModelServerConfig:
     media_threads: int = 2
     """Threads that decode media and render requests carrying media: at most this many
     requests hold images being decoded at once (docs/security.md gives the memory budget)."""
+    media_cache_bytes: int = DEFAULT_MEDIA_CACHE_BYTES
+    """Bound of the media cache (fetched, decoded and processed media by content key); 0: off."""
 
 
 MAX_TEMPERATURE = 100.0
@@ -223,6 +236,22 @@ class ModelServer:
 
             media_policy = MediaPolicy()
         self.media_policy = media_policy
+        self.media_cache = MediaCache(self.config.media_cache_bytes)
+        from gymbridge.tensors.processor import sub_processors
+
+        self._subs = (
+            sub_processors(self.codec.processor) if self.codec.processor is not self.codec.tokenizer else {}
+        )
+        self._cache_users: list[Callable[[MediaCache | None], None]] = []
+        inner: Any = generator
+        for _ in range(8):  # through wrappers: the HF backend reuses the cached processor outputs
+            use = getattr(inner, "use_media_cache", None)
+            if callable(use):
+                use(self.media_cache)
+                self._cache_users.append(use)
+            inner = getattr(inner, "inner", None) or getattr(inner, "generator", None)
+            if inner is None:
+                break
         if self.config.prepare_threads < 1 or self.config.media_threads < 1:
             raise ValueError("prepare_threads and media_threads must be >= 1")
         self._prepare_pool = ThreadPoolExecutor(self.config.prepare_threads, thread_name_prefix="gb-prepare")
@@ -249,6 +278,7 @@ class ModelServer:
             ("POST", "/weights/init_group"): self._weights_init_group,
             ("POST", "/weights/update"): self._weights_update,
             ("GET", "/weights/status"): self._weights_status,
+            ("GET", "/media_cache"): self._media_cache_stats,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -268,6 +298,11 @@ class ModelServer:
             await self.generator.aclose()
         self._prepare_pool.shutdown(wait=False, cancel_futures=True)
         self._media_pool.shutdown(wait=False, cancel_futures=True)
+        for use in self._cache_users:  # a generator outliving this server keeps no cache of ours
+            use(None)
+        stats = self.media_cache.stats()
+        if stats["kinds"]:
+            logger.info("model server media cache: %s", orjson.dumps(stats).decode())
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0 = a free port); return the base URL (without ``/v1``)."""
@@ -396,14 +431,16 @@ class ModelServer:
             return messages
 
         def work(messages: list[ChatMessage]) -> GenerationInput:
-            # decode every image once: the placeholder expansion and the GenerationInput share it
-            history = ConversationHistory()
+            # each medium decoded and processed once per content key (the cache), shared by the
+            # placeholder expansion, the GenerationInput and the HF forward
+            history = ConversationHistory(decoder=self._decoded)
             history.append((), [p for m in messages for p in m.media])
-            decoded = {
-                id(item): image for item, image in zip(history.media, history.decoded_media(), strict=True)
-            }
             rendered = self.codec.render(
-                messages, tools, chat_template_kwargs=kwargs, decode=lambda item: decoded[id(item)]
+                messages,
+                tools,
+                chat_template_kwargs=kwargs,
+                decode=self._decoded,
+                placeholders=self._placeholders,
             )
             history.append(rendered.prompt_token_ids)
             return build_generation_input(history)
@@ -414,6 +451,55 @@ class ModelServer:
         messages = await loop.run_in_executor(self._prepare_pool, build_checked)
         pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
         return await loop.run_in_executor(pool, work, messages)
+
+    # ------------------------------------------------------------------ media by content key
+
+    def _load_media(self, source: str, modality: Any) -> MediaItem:
+        """A conversation's medium: a media-store reference fetched once per key, else loaded."""
+        from gymbridge.media import load_media
+        from gymbridge.media.refs import parse_http
+        from gymbridge.media.store import parse_media_ref
+
+        key = parse_media_ref(source)
+        if key is not None:
+            ref = parse_http(source)
+            if self.media_policy.is_media_host(ref.host, ref.port):
+
+                def fetch() -> MediaItem:
+                    item = load_media(source, modality, self.media_policy)
+                    if item.key != key:  # the fetch verifies too; a cache entry must never lie
+                        raise MediaError(f"{source}: bytes hash to {item.key}, not the key in the URL")
+                    return item
+
+                cached = self.media_cache.get_or_make(f"fetched:{modality}", key, fetch)
+                return cached
+        return load_media(source, modality, self.media_policy)
+
+    def _decoded(self, item: MediaItem) -> Any:
+        """``item`` decoded (PIL image, frames, waveform), once per content key."""
+        modality = item.modality
+        decode = item.image if modality == "image" else item.video if modality == "video" else item.audio
+        return self.media_cache.get_or_make(f"decoded:{modality}", item.key, decode)
+
+    def _placeholders(self, item: MediaItem) -> int | None:
+        """Placeholder tokens of ``item`` from its processor outputs (processed once per key)."""
+        from gymbridge.tensors.processor import num_placeholders
+
+        sub = self._subs.get(item.modality)
+        if sub is None:
+            return None
+        try:
+            outputs = self.media_cache.processed(item.modality, sub, item.key, lambda: self._decoded(item))
+        except MediaError:
+            raise
+        except Exception as exc:
+            raise ProtocolError(
+                f"{type(sub).__name__} failed on a {item.modality}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return num_placeholders(item.modality, outputs, sub)
+
+    async def _media_cache_stats(self, _request: web.Request) -> web.Response:
+        return _json(self.media_cache.stats())
 
     def _refuse_overlong_text(self, messages: list[ChatMessage]) -> None:
         """Refuse (``ContextLengthError``) a prompt whose text alone cannot fit, before tokenizing it.
@@ -459,7 +545,7 @@ class ModelServer:
         body = await self._body(request)
         if "messages" in body:
             inp = await self._prepare(
-                lambda: chat_to_messages(body["messages"], policy=self.media_policy),
+                lambda: chat_to_messages(body["messages"], loader=self._load_media),
                 _chat_tools(body),
                 _template_kwargs(body),
             )
@@ -482,7 +568,7 @@ class ModelServer:
             raise _BadRequest("n must be 1: this server returns one choice with its token ids")
         self._sampling(body, 0, _int_or_none(body, "max_completion_tokens", "max_tokens"))  # 400s first
         inp = await self._prepare(
-            lambda: chat_to_messages(body.get("messages"), policy=self.media_policy),
+            lambda: chat_to_messages(body.get("messages"), loader=self._load_media),
             _chat_tools(body),
             _template_kwargs(body),
         )
@@ -542,7 +628,7 @@ class ModelServer:
             body.get("input"),
             instructions=body.get("instructions"),
             metadata=metadata,
-            policy=self.media_policy,
+            loader=self._load_media,
         )
         base = {
             "id": f"resp_{uuid.uuid4().hex}",

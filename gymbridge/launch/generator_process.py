@@ -100,6 +100,7 @@ def tiny_server_command(
     host: str = "127.0.0.1",
     model_flag: str | Sequence[str] = "--tiny",
     port: int = 0,
+    media_hosts: tuple[str, ...] = (),
 ) -> list[str]:
     """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child."""
     cmd = [
@@ -123,6 +124,8 @@ def tiny_server_command(
         cmd += ["--prompt-seed", str(prompt_seed)]
     if enable_weight_updates:
         cmd.append("--enable-weight-updates")
+    for entry in media_hosts:
+        cmd += ["--media-host", entry]
     return cmd
 
 

@@ -97,13 +97,15 @@ async def start_generator(
     policy_factory: Callable[[int], Any] | None = None,
     serve_flag: str | tuple[str, ...] = "--tiny",
     port: int = 0,
+    media_hosts: tuple[str, ...] = (),
 ) -> GeneratorHandle:
     """Set up the generator (and, with ``serve``, its model server); see the module docstring.
 
     ``policy_factory(model_seed)`` builds the in-process generator's own model (default: the tiny
     Qwen2-VL); ``serve_flag`` is the ``gymbridge model serve`` flag(s) of the same model for the child
     process (``--tiny``, ``--tiny-omni`` or ``("--model", PATH, "--backend", B)``); ``port`` is the
-    model server's (0: a free one).
+    model server's (0: a free one). ``media_hosts`` (``host:port`` of media stores) go into the
+    model server's ``MediaPolicy``, so it fetches (and verifies) media references.
     """
     if cfg.placement == "process":
         return await _start_process(
@@ -117,6 +119,7 @@ async def start_generator(
             log_dir=log_dir,
             serve_flag=serve_flag,
             port=port,
+            media_hosts=media_hosts,
         )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.trainer.models import tiny_policy
@@ -129,12 +132,14 @@ async def start_generator(
     if serve:
         from gymbridge.bridge import PromptSeededGenerator
         from gymbridge.generation.server import ModelServer, ModelServerConfig
+        from gymbridge.media import MediaPolicy
 
         server = ModelServer(
             PromptSeededGenerator(generator, prompt_seed) if prompt_seed is not None else generator,
             config=ModelServerConfig(
                 model_name=model_name, max_model_len=max_model_len, default_max_tokens=default_max_tokens
             ),
+            media_policy=MediaPolicy(media_hosts=media_hosts),
         )
         url = await server.start(port=port)
         stack.push_async_callback(server.stop)
@@ -153,6 +158,7 @@ async def _start_process(
     log_dir: Path,
     serve_flag: str | tuple[str, ...],
     port: int,
+    media_hosts: tuple[str, ...] = (),
 ) -> GeneratorHandle:
     from gymbridge.launch.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
@@ -172,6 +178,7 @@ async def _start_process(
         enable_weight_updates=cfg.publish_weights,
         model_flag=serve_flag,
         port=port,
+        media_hosts=media_hosts,
     )
     child = await asyncio.to_thread(
         start_model_server_process,

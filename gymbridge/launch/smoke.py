@@ -38,6 +38,15 @@ occurrence)`` (:class:`~gymbridge.bridge.PromptSeededGenerator`); a rerun with t
 ``--seed`` prints the same numbers on the native path, and the same set of samples per group
 on the Gym path (the rollout order within a group follows HTTP arrival).
 
+**Media by reference** (``media_by_reference: true``, Gym path). A
+:class:`~gymbridge.media.MediaServer` over ``<run_dir>/media_store/`` starts first; the bridge
+stores each prompt's inline media once (:class:`~gymbridge.bridge.RowReferencer`) and sends the
+G ``/run`` rows with ``http://127.0.0.1:PORT/media/<key>`` references; the agent stores tool
+images the same way and replays references; the model server and the bridge trust that host
+(``MediaPolicy.media_hosts``) and verify every fetched medium against its key. The training is
+the same as with it off (same content keys, tokens, rewards); the payload table's
+``gym_request`` / ``gym_return`` rows show media logical / physical = G.
+
 **Run directory, async GRPO, resume.** Every run writes ``config.yaml``, ``dataset.jsonl``,
 ``metrics.jsonl`` (one record per step, :func:`~gymbridge.launch.rundir.step_record`),
 ``failures.jsonl`` and ``checkpoints/`` into its run directory (:mod:`gymbridge.launch.rundir`,
@@ -158,6 +167,10 @@ class SmokeConfig(StrictModel):
     max_consecutive_failed_groups: int = Field(4, ge=1)
     dedup: bool = True
     payload_metrics: bool = True
+    media_by_reference: bool = False
+    """Gym path: start a media server over ``<run_dir>/media_store/``; each prompt's inline media
+    are stored once and the G ``/run`` rows carry ``http://…/media/<key>`` references instead of
+    base64 copies (docs/media.md, "Media by reference"). Trains exactly as with it off."""
     dp_workers: int = Field(0, ge=0)
     """0: train in this process; N: N Ray actors in one torch.distributed group (the ``ray`` extra;
     :mod:`gymbridge.trainer.ray_dp`)."""
@@ -264,6 +277,8 @@ class SmokeResult:
     rollouts_failed: int = 0
     bridge_stats: dict[str, Any] = field(default_factory=dict)
     payload_table: str = ""
+    model_media_cache: dict[str, Any] = field(default_factory=dict)
+    """The model server's media cache counters at the end (``GET /media_cache``; Gym path)."""
     urls: dict[str, str] = field(default_factory=dict)
     """The servers this run started (all stopped when it returns)."""
     run_dir: str = ""
@@ -454,6 +469,27 @@ def _sync_text(m: StepMetrics) -> str:
     return f"  -> v{m.policy_version} (sync {m.weight_sync_s:.3f}s)"
 
 
+async def _model_media_cache(model_url: str, out: IO[str]) -> dict[str, Any]:
+    """The model server's ``GET /media_cache`` counters, printed as one line ({} when unavailable)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            reply = await http.get(f"{model_url}/media_cache")
+        stats: dict[str, Any] = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        stats = {}
+    kinds = stats.get("kinds") or {}
+    if kinds:
+        shown = ", ".join(f"{kind} {k['misses']} miss / {k['hits']} hit" for kind, k in sorted(kinds.items()))
+        print(
+            f"model server media cache (once per content key): {shown}; "
+            f"{stats.get('bytes', 0) / 2**20:.1f} MiB held",
+            file=out,
+        )
+    return stats
+
+
 async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resume: bool) -> SmokeResult:
     from tqdm.auto import tqdm
 
@@ -469,6 +505,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
     from gymbridge.launch.reporters import open_reporters
     from gymbridge.launch.rundir import payload_delta, step_record
     from gymbridge.launch.userenv import UserEnv, read_dataset, resolve_env
+    from gymbridge.media import MediaPolicy
     from gymbridge.metrics import PayloadMeter
     from gymbridge.server import start_server
     from gymbridge.tensors import MediaProcessor
@@ -559,6 +596,18 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             env = await start_server(spec.make_server())
             stack.push_async_callback(env.stop)
             result.urls["environment"] = env_url = env.url
+        media_server = None
+        if cfg.media_by_reference and cfg.native:
+            print("media by reference: off on the native path (no Gym request to shrink)", file=out)
+        elif cfg.media_by_reference:
+            from gymbridge.media import MediaServer, MediaStore
+
+            media_server = MediaServer(MediaStore(run.path / "media_store"))
+            media_server.start()
+            stack.callback(media_server.stop)
+            result.urls["media"] = media_server.base_url
+            meter.media_size = media_server.store.size
+        media_hosts = (media_server.host_entry,) if media_server is not None else ()
         handle = await start_generator(
             cfg.generator,
             stack,
@@ -573,6 +622,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             serve_flag=tiny.serve_flag,
             log_dir=run.path,
             port=cfg.model_port,
+            media_hosts=media_hosts,
         )
         result.model_server_pid = handle.pid
         source: Any
@@ -616,6 +666,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                     gymnasium=spec.style == "gymnasium",
                     max_steps=cfg.max_turns,
                     model_timeout_s=cfg.rollout_deadline_s,
+                    media_store_url=media_server.base_url if media_server is not None else None,
+                    meter=meter,
                 )
                 agent_running = await start_server(agent)
                 stack.push_async_callback(agent_running.stop)
@@ -623,7 +675,14 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             assert agent_url is not None
             client = GymClient(agent_url, deadline_s=cfg.rollout_deadline_s)
             stack.push_async_callback(client.aclose)
-            source = GymRollouts(client, deadline_s=cfg.rollout_deadline_s, meter=meter)
+            referencer = None
+            if media_server is not None:
+                from gymbridge.bridge import RowReferencer
+
+                referencer = RowReferencer(media_server.store, media_server.url_for)
+            source = GymRollouts(
+                client, deadline_s=cfg.rollout_deadline_s, meter=meter, referencer=referencer
+            )
             result.urls.update(model=model_url, agent=agent_url)
         stack.push_async_callback(source.aclose)
         print("servers: " + ", ".join(f"{k} {v}" for k, v in result.urls.items()), file=out)
@@ -667,6 +726,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             reward_components_check=cfg.reward_components_check,
             failures_path=run.failures_path,
             meter=meter,
+            media_policy=MediaPolicy(media_hosts=media_hosts) if media_hosts else None,
             replay=replay,
             placeholder_token_ids=list(tiny.placeholder_token_ids),
             reward_fn=shaping,
@@ -753,6 +813,8 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
                     replay=replay,
                 )
         bar.close()
+        if not cfg.native:
+            result.model_media_cache = await _model_media_cache(str(handle.model_url), out)
         result.rollouts_ok = bridge.stats.rollouts_ok
         result.rollouts_failed = bridge.stats.rollouts_failed
         result.bridge_stats = bridge.stats.as_dict()

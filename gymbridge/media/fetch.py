@@ -11,6 +11,11 @@ hop** (redirects are followed by hand, never by httpx):
   request then goes to the checked address itself (``Host`` header and TLS SNI
   keep the name), so a second DNS answer cannot swap in a private address
   (DNS rebinding);
+* a host in ``MediaPolicy.media_hosts`` (a gymbridge media store) is trusted as is,
+  but only for a media reference (path ``/media/<content key>``, see
+  :mod:`gymbridge.media.store`): any other path there is refused, a redirect from a
+  media host to any other host is refused, and the body must hash to the key in the
+  path (else :class:`~gymbridge.errors.MediaError`: wrong bytes never load);
 * at most ``max_redirects`` hops;
 * the body is read raw (``Accept-Encoding: identity``, no transparent
   decompression) and refused as soon as it exceeds ``max_encoded_bytes``
@@ -42,11 +47,13 @@ from urllib.parse import urljoin
 
 import httpx
 
-from gymbridge.errors import MediaFetchError, MediaPolicyError
+from gymbridge.errors import MediaError, MediaFetchError, MediaPolicyError
+from gymbridge.media.hashing import content_key
 from gymbridge.media.policy import MediaPolicy
 from gymbridge.media.refs import HttpRef, parse_http, shorten
+from gymbridge.media.store import parse_media_ref
 
-__all__ = ["afetch_http", "check_address", "check_url", "fetch_http"]
+__all__ = ["afetch_http", "check_address", "check_url", "fetch_http", "verify_media"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +93,8 @@ class _Hop:
     ref: HttpRef
     allowed: bool
     literal: bool
+    media_key: str | None = None
+    """The content key the body must hash to (a media reference on a media host)."""
 
 
 def check_url(url: str, policy: MediaPolicy, source: str) -> _Hop:
@@ -99,6 +108,24 @@ def check_url(url: str, policy: MediaPolicy, source: str) -> _Hop:
             f"URL {shorten(source)!r}: redirect hop refused: {exc}", source=shorten(source)
         ) from exc
     allowed = policy.host_allowed(ref.host, ref.port)
+    media_key: str | None = None
+    if policy.is_media_host(ref.host, ref.port):
+        media_key = parse_media_ref(url)
+        if media_key is None and not _listed_plainly(ref, policy):
+            raise MediaPolicyError(
+                f"URL {shorten(source)!r}: {ref.host}:{ref.port} is a media store, which serves only "
+                "/media/<content key> references",
+                source=shorten(source),
+            )
+    if url != source:
+        source_key = _media_source_key(source, policy)
+        if source_key is not None:  # a redirect from a media reference: same store, same key
+            if media_key is None:
+                raise MediaPolicyError(
+                    f"URL {shorten(source)!r}: redirect off the media store to {shorten(url)!r} refused",
+                    source=shorten(source),
+                )
+            media_key = source_key
     try:
         ipaddress.ip_address(ref.host.split("%", 1)[0])
         literal = True
@@ -106,7 +133,35 @@ def check_url(url: str, policy: MediaPolicy, source: str) -> _Hop:
         literal = False
     if literal and not allowed:
         _refuse_if_bad(ref, [ref.host], policy, source)
-    return _Hop(ref=ref, allowed=allowed, literal=literal)
+    return _Hop(ref=ref, allowed=allowed, literal=literal, media_key=media_key)
+
+
+def _listed_plainly(ref: HttpRef, policy: MediaPolicy) -> bool:
+    """Whether ``ref``'s host is also in ``allowed_http_hosts`` (then any path may be fetched)."""
+    plain = policy.model_copy(update={"media_hosts": ()})
+    return plain.host_allowed(ref.host, ref.port)
+
+
+def _media_source_key(source: str, policy: MediaPolicy) -> str | None:
+    """The key of ``source`` when it is a media reference on a media host, else ``None``."""
+    try:
+        ref = parse_http(source)
+    except MediaPolicyError:
+        return None
+    return parse_media_ref(source) if policy.is_media_host(ref.host, ref.port) else None
+
+
+def verify_media(body: bytes, hop: _Hop, source: str) -> bytes:
+    """``body`` when it hashes to the key of a media reference (or there is no key), else ``MediaError``."""
+    if hop.media_key is not None:
+        actual = content_key(body)
+        if actual != hop.media_key:
+            raise MediaError(
+                f"URL {shorten(source)!r}: the media store answered bytes with sha256 {actual}, "
+                f"not the referenced key {hop.media_key}; refused",
+                source=shorten(source),
+            )
+    return body
 
 
 def _refuse_if_bad(ref: HttpRef, addresses: list[str], policy: MediaPolicy, source: str) -> None:
@@ -295,7 +350,7 @@ def fetch_http(url: str, policy: MediaPolicy, *, client: httpx.Client | None = N
                         size = _append_capped(chunks, size, chunk, policy, url)
                         if time.monotonic() > deadline:
                             raise _timeout_error(url, policy)
-                    return b"".join(chunks)
+                    return verify_media(b"".join(chunks), hop, url)
             current = nxt
         raise _too_many_redirects(url, policy)
     except httpx.TimeoutException as exc:
@@ -346,7 +401,7 @@ async def afetch_http(url: str, policy: MediaPolicy, *, client: httpx.AsyncClien
                         size = 0
                         async for chunk in response.aiter_raw():
                             size = _append_capped(chunks, size, chunk, policy, url)
-                        return b"".join(chunks)
+                        return verify_media(b"".join(chunks), hop, url)
                 current = nxt
             raise _too_many_redirects(url, policy)
     except (TimeoutError, httpx.TimeoutException) as exc:

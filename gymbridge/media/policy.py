@@ -14,6 +14,10 @@ boundaries, and loaded from YAML. Invariants:
   A listed host skips the private / loopback address check (it is trusted
   explicitly); every other host is resolved and refused when any of its
   addresses is not public;
+* ``media_hosts`` (same entry syntax) names the hosts of gymbridge media stores
+  (:mod:`gymbridge.media.store`): trusted explicitly like ``allowed_http_hosts``, but
+  only for media references (``/media/<content key>``), whose fetched bytes are
+  verified against the key, and a redirect off a media host is refused;
 * exceeding any limit raises :class:`~gymbridge.errors.MediaPolicyError` naming
   the (shortened) source and the limit.
 """
@@ -94,6 +98,8 @@ class MediaPolicy(BaseModel):
     """Local files (``file://`` URLs or paths) are read only under these directories."""
     allowed_http_hosts: tuple[str, ...] = ()
     """``host`` or ``host:port`` entries trusted even when they resolve to a private address."""
+    media_hosts: tuple[str, ...] = ()
+    """``host`` or ``host:port`` of media stores: references there are fetched and verified by key."""
     fetch_timeout_s: float = Field(default=30.0, gt=0)
     """Deadline for one whole fetch: DNS, every redirect hop, and the body."""
     max_redirects: int = Field(default=5, ge=0)
@@ -104,7 +110,7 @@ class MediaPolicy(BaseModel):
     def _expand_roots(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
         return tuple(Path(os.path.expanduser(r)) for r in roots)
 
-    @field_validator("allowed_http_hosts", mode="after")
+    @field_validator("allowed_http_hosts", "media_hosts", mode="after")
     @classmethod
     def _normalise_hosts(cls, hosts: tuple[str, ...]) -> tuple[str, ...]:
         out: list[str] = []
@@ -116,9 +122,23 @@ class MediaPolicy(BaseModel):
 
     def host_allowed(self, host: str, port: int) -> bool:
         """Whether ``host`` (a name or address, no brackets) on ``port`` is trusted explicitly."""
-        host = host.lower().rstrip(".")
-        for entry in self.allowed_http_hosts:
-            entry_host, entry_port = parse_host_entry(entry)
-            if entry_host == host and (entry_port is None or entry_port == port):
-                return True
-        return False
+        return _listed(self.allowed_http_hosts, host, port) or _listed(self.media_hosts, host, port)
+
+    def is_media_host(self, host: str, port: int) -> bool:
+        """Whether ``host`` on ``port`` is a media store (``media_hosts``)."""
+        return _listed(self.media_hosts, host, port)
+
+    def with_media_host(self, entry: str) -> MediaPolicy:
+        """A copy of this policy with ``entry`` (``host:port``) added to ``media_hosts``."""
+        if entry in self.media_hosts:
+            return self
+        return MediaPolicy.model_validate({**self.model_dump(), "media_hosts": (*self.media_hosts, entry)})
+
+
+def _listed(entries: tuple[str, ...], host: str, port: int) -> bool:
+    host = host.lower().rstrip(".")
+    for entry in entries:
+        entry_host, entry_port = parse_host_entry(entry)
+        if entry_host == host and (entry_port is None or entry_port == port):
+            return True
+    return False

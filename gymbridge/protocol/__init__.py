@@ -87,10 +87,12 @@ from gymbridge.protocol._media_refs import (
     Modality,
     data_url_modality,
     inline_audio_url,
+    inline_media_sources,
     media_ref_of_part,
     media_refs_of_content,
     media_refs_of_tool_output,
     metadata_audio_refs,
+    replace_media_sources,
 )
 from gymbridge.protocol._responses import (
     FunctionTool,
@@ -157,6 +159,7 @@ __all__ = [
     "dump",
     "dump_json",
     "inline_audio_url",
+    "inline_media_sources",
     "iter_media_parts",
     "media_ref_of_part",
     "media_refs_of_content",
@@ -177,4 +180,5 @@ __all__ = [
     "parse_step_response",
     "parse_verify_request",
     "parse_verify_response",
+    "replace_media_sources",
 ]

@@ -32,7 +32,13 @@ Invariants:
   ``{"x": 3}`` adds nothing);
 * a part that claims to be media but carries no usable reference raises
   :class:`~gymbridge.errors.ProtocolError` naming the part and the reason, so an
-  image is never dropped silently.
+  image is never dropped silently;
+* :func:`inline_media_sources` / :func:`replace_media_sources` (media by reference) see
+  the parts of message ``content`` and of ``function_call_output.output`` lists whose
+  reference is a ``data:`` URL in a URL slot (a string, or an object's ``url``); a bare
+  data-URL string as a tool output and inline ``{data, format}`` audio have no such slot
+  and are left alone, and ``replace_media_sources`` never mutates: changed parts are new
+  dicts in new lists, everything else is the same object.
 """
 
 from __future__ import annotations
@@ -48,10 +54,12 @@ __all__ = [
     "Modality",
     "data_url_modality",
     "inline_audio_url",
+    "inline_media_sources",
     "media_ref_of_part",
     "media_refs_of_content",
     "media_refs_of_tool_output",
     "metadata_audio_refs",
+    "replace_media_sources",
 ]
 
 Modality = Literal["image", "audio", "video"]
@@ -230,3 +238,70 @@ def media_refs_of_tool_output(output: object) -> Iterator[MediaRef]:
             yield output, modality
         return
     yield from media_refs_of_content(output)
+
+
+def _inline_slot(part: object) -> tuple[str, str] | None:
+    """``(part key, data URL)`` of a media part whose reference is an inline data URL in a URL slot."""
+    if not isinstance(part, Mapping):
+        return None
+    try:
+        ref = media_ref_of_part(part)
+    except ProtocolError:
+        return None  # the reader of the part answers it with its own precise error
+    if ref is None or ref[0][:5].lower() != "data:":
+        return None
+    source = ref[0]
+    for key, value in part.items():
+        if value is source or (isinstance(value, Mapping) and value.get("url") is source):
+            return str(key), source
+    return None  # inline audio {data, format}: no URL slot to put a reference in
+
+
+def _part_lists(item: object) -> tuple[Mapping[str, object], str, list[object]] | None:
+    """``(item, field, parts)`` of an item whose parts may carry media (message content, tool output list)."""
+    if not isinstance(item, Mapping):
+        return None
+    kind = item.get("type", "message")
+    field = "content" if kind == "message" else "output" if kind == "function_call_output" else None
+    parts = item.get(field) if field is not None else None
+    return (item, field, parts) if field is not None and isinstance(parts, list) else None
+
+
+def inline_media_sources(items: object) -> Iterator[str]:
+    """The inline (``data:``) media references of conversation ``items`` that a reference may replace."""
+    if not isinstance(items, list):
+        return
+    for item in items:
+        found = _part_lists(item)
+        if found is None:
+            continue
+        for part in found[2]:
+            slot = _inline_slot(part)
+            if slot is not None:
+                yield slot[1]
+
+
+def replace_media_sources(items: list[object], new: Mapping[str, str]) -> list[object]:
+    """``items`` with every inline reference found in ``new`` replaced by ``new[source]`` (see the
+    module invariants); the same list when nothing changed."""
+    out: list[object] = []
+    for item in items:
+        found = _part_lists(item)
+        if found is None:
+            out.append(item)
+            continue
+        mapping, field, parts = found
+        new_parts: list[object] = []
+        for part in parts:
+            slot = _inline_slot(part)
+            if slot is None or slot[1] not in new or not isinstance(part, Mapping):
+                new_parts.append(part)
+                continue
+            key, source = slot
+            value = part[key]
+            ref = new[source]
+            slot_value = ref if isinstance(value, str) else {**value, "url": ref}
+            new_parts.append({**part, key: slot_value})
+        changed = any(a is not b for a, b in zip(new_parts, parts, strict=True))
+        out.append({**mapping, field: new_parts} if changed else item)
+    return items if all(a is b for a, b in zip(out, items, strict=True)) else out

@@ -58,6 +58,21 @@ Behaviour (stock Gym parity, with its known faults fixed):
   older than 0.7.0 (and bare vLLM) do not strip the prefix; gymbridge and
   0.7.0 servers all do.
 
+* media by reference (``media_store_url``: a gymbridge media server's base URL; None,
+  the default, keeps media inline): every inline medium of the conversation (the row's
+  input, the reset observation, each step's observation, each tool's images) is stored
+  once and replaced by its reference ``<media_store_url>/media/<content key>`` when it
+  joins the conversation (:class:`~gymbridge.server._media.MediaReferencer`), so each
+  model call re-sends a ~100-byte URL for every earlier medium instead of its base64
+  copy, and the result carries the references; the store being unreachable or refusing
+  an upload ends the rollout with 502;
+* ``meter`` (a :class:`~gymbridge.metrics.PayloadMeter`) records every model call at the
+  ``model_request`` boundary (:func:`~gymbridge.metrics.payload_stats`): media bytes logical
+  (every copy: each inline data URL, each reference) and physical (an inline medium every
+  time, a reference's bytes once per key for the agent's life, as the model server
+  fetches each key once); a reference's size comes from the meter's ``media_size`` (the
+  launcher's store), else from the agent's own uploads.
+
 ``/run`` runs the loop in-process where stock simple_agent calls its own
 ``/v1/responses`` over HTTP: same items, one hop fewer.
 """
@@ -66,7 +81,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -90,7 +105,11 @@ from gymbridge.server._episode import (
     tool_output_items,
 )
 from gymbridge.server._http import Reply, make_client_session, post_json
+from gymbridge.server._media import MediaReferencer
 from gymbridge.server._tools import PARTS_HEADER
+
+if TYPE_CHECKING:
+    from gymbridge.metrics import PayloadMeter
 
 __all__ = ["SimpleAgent", "rollout_id_from_row"]
 
@@ -182,6 +201,8 @@ class SimpleAgent(GymServer):
         max_connections: int = 1024,
         instance_name: str = "simple_agent",
         rollout_prefix: bool = False,
+        media_store_url: str | None = None,
+        meter: PayloadMeter | None = None,
     ) -> None:
         super().__init__(instance_name=instance_name)
         if max_steps < 1:
@@ -198,6 +219,10 @@ class SimpleAgent(GymServer):
         self.tool_media = tool_media
         self.max_connections = max_connections
         self.rollout_prefix = rollout_prefix
+        self.media = MediaReferencer(media_store_url) if media_store_url else None
+        self.meter = meter
+        self._model_keys: set[str] = set()
+        """Media-reference keys already counted as physical at ``model_request``."""
         self._client: aiohttp.ClientSession | None = None
         self.add_route("POST", "/run", self._run_endpoint)
         self.add_route("POST", "/v1/responses", self._responses_endpoint)
@@ -260,7 +285,8 @@ class SimpleAgent(GymServer):
         try:
             if self.gymnasium:
                 model_cookies = dict(caller_cookies)
-                response = await self._model(rcp, _as_items(rcp.get("input")), model_cookies, route)
+                items = await self._referenced(_as_items(rcp.get("input")))
+                response = await self._model(rcp, items, model_cookies, route)
             else:
                 response, model_cookies = await self._episode(rcp, resources_cookies, route)
         except _UpstreamFailure as exc:
@@ -327,10 +353,31 @@ class SimpleAgent(GymServer):
                 status, f"Hit an exception in {self.cookie_name} calling an inner server: {reply.text[:4000]}"
             ) from exc
 
+    async def _referenced(self, items: list[Any]) -> list[Any]:
+        """``items`` with inline media stored and referenced (``media_store_url``), else as given."""
+        if self.media is None:
+            return items
+        try:
+            return await self.media.items(self.client, items)
+        except EnvError as exc:
+            raise _UpstreamFailure(502, f"Hit an error in {self.cookie_name} storing media: {exc}") from exc
+
+    def _meter_model_request(self, body: dict[str, Any]) -> None:
+        """Record ``body`` at ``model_request``: a reference's bytes are physical once per key
+        (the model server fetches each key once), logical on every copy."""
+        from gymbridge.metrics import payload_stats
+
+        assert self.meter is not None
+        sizes = self.meter.media_size or (self.media.size_of if self.media is not None else None)
+        stats = payload_stats(body, media_size=sizes, sent_keys=self._model_keys)
+        self.meter.record_stats("model_request", stats)
+
     async def _model(
         self, rcp: dict[str, Any], items: list[Any], cookies: dict[str, str], route: _Route
     ) -> dict[str, Any]:
         body = {**rcp, "input": items}
+        if self.meter is not None and self.meter.enabled:
+            self._meter_model_request(body)
         url = f"{self.model_url}{route.model('/v1/responses')}"
         reply = await self._call(url, body, self.model_timeout_s, cookies)
         cookies.update(reply.cookies)
@@ -379,6 +426,7 @@ class SimpleAgent(GymServer):
             episode = ToolEpisode(rcp)
         except ProtocolError as exc:
             raise _UpstreamFailure(422, str(exc)) from None
+        episode.base_input[:] = await self._referenced(episode.base_input)
         model_cookies: dict[str, str] = {}
         offered = offered_tool_names(rcp)
         for step in range(1, self.max_steps + 1):
@@ -386,7 +434,8 @@ class SimpleAgent(GymServer):
             if calls is None:
                 break
             for call in calls:
-                episode.outputs.extend(await self._tool(call, offered, resources_cookies, route))
+                items = await self._tool(call, offered, resources_cookies, route)
+                episode.outputs.extend(await self._referenced(items))
             if step >= self.max_steps:
                 episode.stop_at_max_steps()
                 logger.info("%s: max_steps=%d reached", self.cookie_name, self.max_steps)
@@ -434,6 +483,7 @@ class SimpleAgent(GymServer):
             episode.start(reset_data)
         except ProtocolError as exc:
             raise _UpstreamFailure(500, f"Received an invalid reset response: {exc}") from None
+        episode.base_input[:] = await self._referenced(episode.base_input)  # also rcp["input"]
         model_cookies: dict[str, str] = {}
         try:
             for _ in range(self.max_steps):
@@ -449,6 +499,7 @@ class SimpleAgent(GymServer):
                 )
                 step_data = self._require_ok(reply)
                 env_cookies.update(reply.cookies)
+                joined = len(episode.outputs)
                 try:
                     if episode.add_step(step_data).done:
                         break
@@ -456,6 +507,7 @@ class SimpleAgent(GymServer):
                     raise _UpstreamFailure(
                         500, f"Received an invalid step response ({exc}): {reply.text[:2000]}"
                     ) from None
+                episode.outputs[joined:] = await self._referenced(episode.outputs[joined:])
         finally:
             if episode.supports_close:
                 try:

@@ -62,7 +62,7 @@ class _DataUrlMedia(Protocol):
 
     modality: str
 
-    def toencode_data_url(self) -> str: ...
+    def to_data_url(self) -> str: ...
 
 
 def image_part(image: bytes | str, mime: str = "image/png", detail: str = "auto") -> dict[str, Any]:
@@ -88,7 +88,7 @@ def media_part(item: Any) -> dict[str, Any]:
     if isinstance(item, dict):
         return item
     if isinstance(item, _DataUrlMedia):
-        url = item.toencode_data_url()
+        url = item.to_data_url()
         if item.modality == "audio":
             return audio_part(url)
         if item.modality == "video":

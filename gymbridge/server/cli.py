@@ -82,6 +82,13 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         help="send /ng-rollout/<id> (from the row's _ng_* keys) on every outbound call, as stock Gym "
         "does with observability on",
     )
+    parser.add_argument(
+        "--media-store-url",
+        type=_url,
+        default=None,
+        help="base URL of a gymbridge media server: inline media are stored there once and replayed "
+        "to the model as references (default: media stay inline)",
+    )
     parser.set_defaults(func=run_agent)
 
 
@@ -113,6 +120,7 @@ def run_agent(args: argparse.Namespace) -> int:
         tool_media=args.tool_media,
         instance_name=args.name,
         rollout_prefix=args.rollout_prefix,
+        media_store_url=args.media_store_url,
     )
 
     def announce(url: str) -> None:

@@ -23,7 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,11 +41,13 @@ class ConversationHistory:
 
     ``token_ids`` is ``[L]``, the exact token stream the model has seen plus what it
     generated; ``media`` holds the media in order of appearance (their placeholders
-    are inside ``token_ids``).
+    are inside ``token_ids``). ``decoder`` (default ``MediaItem.image()`` / ``.audio()`` /
+    ``.video()``) decodes one item, e.g. through the model server's cache by content key.
     """
 
     token_ids: list[int] = field(default_factory=list)
     media: list[MediaItem] = field(default_factory=list)
+    decoder: Callable[[MediaItem], Any] | None = field(default=None, repr=False, compare=False)
     _decoded: list[tuple[MediaItem, Any]] = field(default_factory=list, repr=False, compare=False)
 
     def append(self, token_ids: Sequence[int] = (), media: Sequence[MediaItem] = ()) -> None:
@@ -80,7 +82,7 @@ class ConversationHistory:
             if position < len(cache) and cache[position][0] is item:
                 continue
             del cache[position:]  # the media list was edited in place: re-decode from here on
-            cache.append((item, _decode(item)))
+            cache.append((item, (self.decoder or _decode)(item)))
         del cache[len(self.media) :]
         return [decoded for _, decoded in cache]
 

@@ -6,6 +6,8 @@ import pickle
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gymbridge.metrics import BOUNDARIES, PayloadMeter, payload_stats
 from gymbridge.tensors import PackedTensor
@@ -89,3 +91,34 @@ def test_regression_report_is_a_snapshot() -> None:
     assert step_n["policy_shard"].records == 1
     assert step_n["policy_shard"].shard_serialized_bytes[0] == step_n["policy_shard"].serialized_bytes
     assert meter.report()["policy_shard"].records == 2
+
+
+# ----------------------------------------------------------------------------- media strings in JSON
+
+
+@given(st.binary(min_size=0, max_size=200), st.sampled_from(["image/png", "audio/wav", "video/mp4"]))
+def test_data_url_media_bytes_is_the_decoded_length(raw: bytes, mime: str) -> None:
+    from gymbridge.media import encode_data_url
+    from gymbridge.metrics.payload import data_url_media_bytes
+
+    assert data_url_media_bytes(encode_data_url(raw, mime)) == len(raw)
+    assert data_url_media_bytes(encode_data_url(raw, "text/plain")) is None
+    assert data_url_media_bytes("plain text") is None
+
+
+def test_references_count_once_per_scope_and_their_url_is_not_media() -> None:
+    key = "ab" * 32
+    ref = f"http://127.0.0.1:9/media/{key}"
+    body = {"input": [{"content": [{"type": "input_image", "image_url": ref}]}] * 3, "text": "x" * 100}
+    stats = payload_stats(body, media_size=lambda k: 1000 if k == key else None)
+    assert (stats.logical_media_bytes, stats.physical_media_bytes) == (3000, 1000)
+    assert stats.num_refs == 3 and stats.num_segments == 1
+    scope: set[str] = set()
+    meter = PayloadMeter(enabled=True, media_size=lambda k: 1000)
+    first = meter.record("gym_request", body, sent_keys=scope)
+    second = meter.record("gym_request", body, sent_keys=scope)
+    assert first is not None and second is not None
+    assert first.physical_media_bytes == 1000 and second.physical_media_bytes == 0
+    assert meter.report()["gym_request"].dedup_ratio == 6
+    # an unknown size: the reference is counted, its bytes are not guessed
+    assert payload_stats(body).logical_media_bytes == 0 and payload_stats(body).num_refs == 3

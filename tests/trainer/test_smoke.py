@@ -46,6 +46,15 @@ def test_smoke_runs_end_to_end_and_stops_its_servers(native: bool, tmp_path: Pat
     assert len(ports) == (1 if native else 3)
     assert all(_closed(p) for p in ports)
     assert (tmp_path / "dataset.jsonl").is_file()
+    if native:
+        assert result.model_media_cache == {}
+    else:
+        # the model server decoded and processed each prompt's image once for its G rollouts
+        # (the template's placeholders and the forward share it): 4 requests, 2 prompts
+        processed = result.model_media_cache["kinds"]["processed:image"]
+        assert 1 <= processed["misses"] <= 2 and processed["hits"] >= 2 * 4 - processed["misses"]
+        assert result.model_media_cache["kinds"]["decoded:image"]["misses"] == processed["misses"]
+        assert "model server media cache (once per content key): " in text
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt], ids=["error", "ctrl_c"])
