@@ -1,9 +1,9 @@
 """``gymbridge smoke``: the whole data flow on loopback, in one command, in well under a minute.
 
-On local defaults (``configs/smoke.yaml``) it
+On local defaults (``gymbridge/configs/smoke.yaml``) it
 
-1. generates a small dataset with the environment's data generator (``circle_click``) and
-   writes it as jsonl (the bridge reads it like any dataset);
+1. generates a small dataset with the environment's data generator (``color_pick``: name the
+   colour of the image) and writes it as jsonl (the bridge reads it like any dataset);
 2. starts, in this process on 127.0.0.1 free ports: the environment server, a model server
    (:class:`~gymbridge.generation.ModelServer`) over the tiny offline Qwen2-VL, and
    gymbridge's :class:`~gymbridge.server.SimpleAgent` between them (the Gym path); or, with
@@ -23,13 +23,12 @@ On local defaults (``configs/smoke.yaml``) it
    first to the last step, and the payload table; and stops every server it started, on
    success, error or Ctrl-C.
 
-**Toy shaping (on by default in configs/smoke.yaml).** The random tiny model never solves
-``circle_click``: every group has zero reward variance, so GRPO has nothing to learn from and
-the loop would print ``loss 0, grad_norm 0`` forever. ``shaping: {kind: token_rate, tokens:
-"0123456789", weight: 1.0}`` adds, through the bridge's ``reward_fn`` hook, a dense *toy* bonus
-(:class:`~gymbridge.bridge.TokenRateShaping`: the fraction of generated tokens that are
-digits) to the genuine environment reward, which is kept and printed on its own. It is a
-demonstration that the loop learns, not a task signal; ``--set shaping.kind=none`` turns it off.
+**Learning from the environment's reward alone.** The default run trains on ``color_pick``
+with no shaping: a short supervised format warm-up (:mod:`gymbridge.launch.warmup`, on
+image-independent targets) teaches the tiny model the answer format, never the answer; GRPO
+then learns from the env reward which colour the image shows. The toy dense shaping of
+:class:`~gymbridge.bridge.TokenRateShaping` stays available (``--set shaping.kind=token_rate``)
+for environments the random tiny model never solves.
 
 **Reproducibility.** With ``reproducible: true`` (default) sampling is seeded from ``seed``:
 native rollouts per ``(seed, task, rollout index)`` (:func:`~gymbridge.bridge.rollout_seed`), the
