@@ -94,6 +94,33 @@ def test_packed_logprobs_loss_and_gradients_equal_the_padded_step(
     _assert_same_step(ref, got)
 
 
+def test_packing_with_top_p_kl_and_seq_mean_equals_the_padded_step(
+    tiny: TinyVLM, vlm_batch: TrainBatch
+) -> None:
+    """Regression for the merge of packing with the GRPO variants: the nucleus is taken at the packed
+    loss positions, the reference scores the same packed sequence, seq-mean rows stay rows."""
+    model = tiny_policy(0)
+    batch = _off_policy(model, vlm_batch)
+    variants = {"top_p": 0.9, "kl_coef": 0.1, "loss_agg": "seq_mean_token_mean"}
+
+    def gradients(**cfg: Any) -> GradientResult:
+        trainer = GRPOTrainer(
+            model, GRPOConfig(micro_batch_max_tokens=BUDGET, **variants, **cfg), on_policy=False
+        )
+        assert trainer.reference is not None
+        with torch.no_grad():  # a reference away from the policy: a nonzero KL term
+            for i, p in enumerate(trainer.reference.parameters()):
+                p.add_(0.02 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).reshape(p.shape))
+        return trainer.compute_gradients(batch)
+
+    ref, got = gradients(), gradients(sequence_packing=True)
+    assert got.packed_sequences >= 2
+    assert got.outside_top_p_tokens == ref.outside_top_p_tokens
+    assert abs(ref.ref_kl_sum) > 1e-4
+    assert got.ref_kl_sum == pytest.approx(ref.ref_kl_sum, rel=1e-4)
+    _assert_same_step(ref, got)
+
+
 def test_one_d_positions_would_not_match_the_padded_step(
     tiny: TinyVLM, vlm_batch: TrainBatch, monkeypatch: pytest.MonkeyPatch
 ) -> None:
