@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omni_helpers import mp4_bytes, wav_bytes
 from PIL import Image
+from trainer_helpers import one_turn
 
 from gymbridge.media import MediaItem
 from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch
@@ -35,7 +36,6 @@ from gymbridge.testing.tiny_vlm import (
 )
 from gymbridge.trainer.encoder import encoder_plan, unique_items
 from gymbridge.trainer.grpo import GradientResult, GRPOConfig, GRPOTrainer, token_logprobs
-from gymbridge.trajectory.types import Trajectory, Turn
 
 _MIME = {"image": "image/png", "video": "video/mp4", "audio": "audio/wav"}
 
@@ -76,19 +76,7 @@ def build_batch(
             start, end = (AUDIO_START, AUDIO_END) if m.modality == "audio" else (VISION_START, VISION_END)
             prompt += [tid(start), *[pad[m.modality]] * n, tid(end), 42]
         gen = [60 + i % 3, 70 + (i // group_size) % 5, 80 + i % 7, bundle.eos_token_id]
-        turn = Turn(
-            index=0,
-            item_index=1,
-            kind="message",
-            segment=0,
-            prompt_token_ids=prompt,
-            generation_token_ids=gen,
-            generation_logprobs=[0.0] * len(gen),
-            media=list(row),
-        )
-        trajs.append(
-            Trajectory(turns=[turn], reward=float((i * 7) % 3), task_index=i // group_size, rollout_index=i)
-        )
+        trajs.append(one_turn(prompt, gen, row, reward=float((i * 7) % 3), task=i // group_size, rollout=i))
     return TrainBatch.from_trajectories(trajs, processor, group_size=group_size, dedup=dedup)
 
 
