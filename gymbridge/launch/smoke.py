@@ -352,38 +352,36 @@ def _write_dataset(cfg: SmokeConfig, spec: Any, path: Path) -> int:
         rows = list(spec.generate(n, cfg.seed, **cfg.env_params))
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"env_params: {cfg.env} generator: {exc}"]) from exc
-    lines: list[bytes] = []
-    top_p = cfg.trainer.top_p
-    for index, row in enumerate(rows):
-        rcp = dict(row["responses_create_params"])
-        # sampling settings are valid Responses-API fields of the dataset row itself
-        rcp.setdefault("max_output_tokens", cfg.max_tokens)
-        rcp.setdefault("temperature", cfg.trainer.temperature)
-        if top_p != 1.0:
-            rcp.setdefault("top_p", top_p)
-        if rcp.get("top_p", 1.0) != top_p:
-            raise ConfigError(
-                [
-                    f"trainer.top_p: {cfg.env} row {index} asks for top_p={rcp['top_p']} but the trainer "
-                    f"scores with top_p={top_p}: the ratio would be biased; set trainer.top_p to the rows'"
-                ]
-            )
-        lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    lines = [_row_line(cfg, row, f"{cfg.env} row {index}") for index, row in enumerate(rows)]
     write_atomic(path, lines)  # a run killed here resumes with the whole dataset or writes it again
     return n
 
 
 def _copy_dataset(cfg: SmokeConfig, rows: list[bytes], path: Path) -> int:
     """The user's rows (:func:`~gymbridge.launch.userenv.read_dataset`) into the run, defaults filled."""
-    lines: list[bytes] = []
-    for line in rows:
-        row = orjson.loads(line)
-        rcp = dict(row["responses_create_params"])
-        rcp.setdefault("max_output_tokens", cfg.max_tokens)
-        rcp.setdefault("temperature", cfg.trainer.temperature)
-        lines.append(orjson.dumps({**row, "responses_create_params": rcp}) + b"\n")
+    lines = [_row_line(cfg, orjson.loads(line), f"{cfg.dataset} line {i}") for i, line in enumerate(rows, 1)]
     write_atomic(path, lines)
     return len(lines)
+
+
+def _row_line(cfg: SmokeConfig, row: dict[str, Any], where: str) -> bytes:
+    """``row`` as a dataset line with the run's sampling defaults; a row asking for another
+    ``top_p`` than the trainer scores with is a ``ConfigError`` (the ratio would be biased)."""
+    rcp = dict(row["responses_create_params"])
+    # sampling settings are valid Responses-API fields of the dataset row itself
+    rcp.setdefault("max_output_tokens", cfg.max_tokens)
+    rcp.setdefault("temperature", cfg.trainer.temperature)
+    top_p = cfg.trainer.top_p
+    if top_p != 1.0:
+        rcp.setdefault("top_p", top_p)
+    if rcp.get("top_p", 1.0) != top_p:
+        raise ConfigError(
+            [
+                f"trainer.top_p: {where} asks for top_p={rcp['top_p']} but the trainer "
+                f"scores with top_p={top_p}: the ratio would be biased; set trainer.top_p to the rows'"
+            ]
+        )
+    return orjson.dumps({**row, "responses_create_params": rcp}) + b"\n"
 
 
 def _group_rewards(groups: list[Any]) -> tuple[float, float]:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import orjson
 import pytest
 
 from gymbridge.errors import ConfigError
-from gymbridge.launch.smoke import _write_dataset, build_config, main
+from gymbridge.launch.smoke import _copy_dataset, _write_dataset, build_config, main
 
 pytestmark = pytest.mark.integration
 
@@ -85,3 +86,16 @@ def test_a_dataset_row_asking_for_another_top_p_is_a_config_error(tmp_path: Path
         _write_dataset(cfg, _RowsWithTopP(), tmp_path / "dataset.jsonl")
     with pytest.raises(ConfigError, match=r"trainer\.top_p"):
         build_config(None, [("trainer.top_p", 0.0)], {})
+
+
+def test_regression_a_user_dataset_gets_the_same_top_p_rule(tmp_path: Path) -> None:
+    """``gymbridge train --dataset`` rows went through their own copy of the defaults, without the
+    top_p fill-in and check the generated rows get."""
+    cfg = build_config(None, [("trainer.top_p", 0.9), ("steps", 1)], {"native": True})
+    line = orjson.dumps({"responses_create_params": {"input": "hi"}})
+    out = tmp_path / "dataset.jsonl"
+    assert _copy_dataset(cfg, [line], out) == 1
+    assert orjson.loads(out.read_bytes())["responses_create_params"]["top_p"] == 0.9
+    bad = orjson.dumps({"responses_create_params": {"input": "hi", "top_p": 0.5}})
+    with pytest.raises(ConfigError, match=r"line 2 asks for top_p=0.5 but the trainer scores with top_p=0.9"):
+        _copy_dataset(cfg, [line, bad], out)
