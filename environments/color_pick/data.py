@@ -49,7 +49,13 @@ LAUNCHER_DEFAULTS: dict[str, Any] = {
     "max_tokens": 4,
     "shaping": {"kind": "none"},
     "warmup": {"steps": 40, "lr": 1.0e-2, "rows_per_step": 4},
-    "trainer": {"lr": 2.0e-3},
+    "trainer": {
+        "lr": 2.0e-3,
+        "lr_warmup_steps": 10,
+        "lr_schedule": "cosine",
+        "lr_decay_steps": "${steps}",
+        "lr_min_ratio": 0.1,
+    },
 }
 """What ``gymbridge smoke run --env color_pick`` trains with (see ``gymbridge_envs.registry``)."""
 

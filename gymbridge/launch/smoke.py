@@ -201,7 +201,11 @@ class SmokeConfig(StrictModel):
     """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
     warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))
     """Format warm-up before GRPO (:mod:`gymbridge.launch.warmup`; ``steps: 0``: none)."""
-    trainer: GRPOConfig = Field(default_factory=lambda: GRPOConfig(lr=2e-3))
+    trainer: GRPOConfig = Field(
+        default_factory=lambda: GRPOConfig(
+            lr=2e-3, lr_warmup_steps=10, lr_schedule="cosine", lr_decay_steps=100, lr_min_ratio=0.1
+        )
+    )
     """``trainer.temperature`` and ``trainer.top_p`` are also the rollouts' sampling settings (every
     dataset row gets them; a row asking for another ``top_p`` is a ``ConfigError``)."""
     generator: GeneratorConfig = Field(default_factory=GeneratorConfig)
@@ -448,8 +452,10 @@ def _dp_keys(dp: Any) -> dict[str, Any]:
 
 
 def _variant_text(cfg: SmokeConfig, m: StepMetrics, record: dict[str, Any]) -> str:
-    """The step line's part for the GRPO variants that are on (KL, overlong masking, DAPO sampling)."""
+    """The step line's part for the GRPO variants that are on (lr schedule, KL, overlong masking, DAPO)."""
     text = ""
+    if cfg.trainer.lr_scheduled:
+        text += f"  lr {m.lr:.2e}"
     if cfg.trainer.kl_coef > 0:
         text += f"  kl {m.kl:.5f} ({cfg.trainer.kl_estimator})"
     if cfg.trainer.mask_truncated:

@@ -56,6 +56,19 @@ model server's ``incomplete_details``) in :meth:`GRPOTrainer.prepare`, before an
 the normalisers above do not count them; ``StepMetrics.truncated_masked`` counts those rows.
 Their rewards still entered their group's advantages (the bridge computed them).
 
+**Learning-rate schedule.** Optimizer update ``k`` (1 for the first; ``GRPOTrainer.steps + 1``,
+so a resumed run continues the schedule) uses ``GRPOConfig.lr_at(k)``: ``lr * k / W`` during
+a linear warm-up of ``W = lr_warmup_steps`` updates, then ``lr`` (``constant``) or a decay to
+``lr_min_ratio * lr`` at update ``D = lr_decay_steps``: ``linear`` ``1 - p`` or ``cosine``
+``(1 + cos(pi p)) / 2`` of the way from ``lr`` to the floor, ``p = min(1, (k - W) / (D - W))``
+(``p = 1`` when ``D <= W``: a run shorter than its warm-up never decays).
+Adam's first updates are sign-like (every weight moves by about ``lr``), which is when a tiny
+policy's answer format breaks; late updates of a policy that already solves most prompts are
+driven by single outliers (one failed rollout of a group carries an advantage of ``-2.5``). The
+schedule is set on the optimizer's parameter groups right before each ``optimizer.step()``
+(DP workers do the same from the same update count); ``StepMetrics.lr`` is the update's value.
+With no warm-up and ``constant`` the optimizer's own learning rate is left alone.
+
 **Off-policy correction.** The old logprob is the *generator's* (the behaviour policy ``mu``
 that sampled the tokens), so ``ratio = pi_theta / mu`` is an importance weight: the clipped
 surrogate is PPO's (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
@@ -161,6 +174,7 @@ __all__ = [
     "GRPOTrainer",
     "GradientResult",
     "KLEstimator",
+    "LRSchedule",
     "LossAgg",
     "StepMetrics",
     "aggregate_loss",
@@ -176,6 +190,7 @@ __all__ = [
 
 
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
+LRSchedule = Literal["constant", "linear", "cosine"]
 KLEstimator = Literal["k1", "k3"]
 KL_LOG_RATIO_CLAMP = 20.0
 """``|ref - new|`` bound inside the k3 estimator (``exp(20)`` ~ 5e8: large, never infinite)."""
@@ -185,7 +200,18 @@ class GRPOConfig(StrictModel):
     """Trainer settings (YAML: the ``trainer:`` section of a launcher config)."""
 
     lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
-    """AdamW learning rate: a finite number in (0, 1]."""
+    """AdamW learning rate: a finite number in (0, 1] (the peak of the schedule below)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Updates over which the learning rate rises linearly to ``lr`` (update ``k <= W`` uses
+    ``lr * k / W``; module docstring, *Learning-rate schedule*). 0: none."""
+    lr_schedule: LRSchedule = "constant"
+    """After the warm-up: ``constant``, or a ``linear`` / ``cosine`` decay from ``lr`` to
+    ``lr_min_ratio * lr`` at update ``lr_decay_steps``."""
+    lr_decay_steps: int = Field(0, ge=0)
+    """The update at which a decaying schedule reaches its floor (counted from the first update,
+    warm-up included; the launcher's configs set it to the run's ``steps``)."""
+    lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
+    """The decay's floor as a fraction of ``lr``."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     clip_eps_low: float = 0.2
@@ -234,6 +260,34 @@ class GRPOConfig(StrictModel):
     """How per-token losses become the batch loss (module docstring, *Loss aggregation*)."""
     mask_truncated: bool = False
     """Zero the loss mask of rollouts that hit the token limit (``max_output_tokens``)."""
+
+    @model_validator(mode="after")
+    def _decay_has_a_horizon(self) -> GRPOConfig:
+        if self.lr_schedule != "constant" and self.lr_decay_steps == 0:
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule!r} needs lr_decay_steps >= 1: the update at which the "
+                "decay reaches lr_min_ratio * lr (the launcher's configs use the run's steps)"
+            )
+        return self
+
+    def lr_at(self, update: int) -> float:
+        """The learning rate of optimizer update ``update`` (1 for the first; module docstring)."""
+        if update < 1:
+            raise ValueError(f"updates are counted from 1, got {update}")
+        warm = self.lr_warmup_steps
+        if update <= warm:
+            return self.lr * update / warm
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = self.lr_decay_steps - warm
+        progress = min(1.0, (update - warm) / span) if span > 0 else 1.0
+        shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.lr_min_ratio + (1.0 - self.lr_min_ratio) * shape)
+
+    @property
+    def lr_scheduled(self) -> bool:
+        """Whether the learning rate changes over updates (a warm-up or a decay)."""
+        return self.lr_warmup_steps > 0 or self.lr_schedule != "constant"
 
     @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:
@@ -288,6 +342,8 @@ class StepMetrics:
     """Rows whose loss tokens ``mask_truncated`` removed (their rollout hit the token limit)."""
     top_p_outside_fraction: float = 0.0
     """Loss tokens outside the trainer's top-p nucleus (kept with their own mass, module docstring)."""
+    lr: float = 0.0
+    """The learning rate of this step's update (``GRPOConfig.lr_at``); 0.0 when no update ran."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -837,6 +893,9 @@ class GRPOTrainer:
         for g, p in zip(grads, self.params, strict=True):
             assert p.grad is not None
             g.copy_(p.grad)  # callers (DP workers) apply exactly the clipped gradients
+        if self.config.lr_scheduled:  # a function of the update count: a resumed run continues it
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.config.lr_at(self.steps + 1)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
@@ -851,8 +910,9 @@ class GRPOTrainer:
             log_skipped_step(batch)
             return summarize(batch, [res], 0.0, time.perf_counter() - started, truncated_masked=truncated)
         self.check_drift(res)
+        lr = self.config.lr_at(self.steps + 1)
         norm = self.apply_gradients(res.grads)
-        return summarize(batch, [res], norm, time.perf_counter() - started, truncated_masked=truncated)
+        return summarize(batch, [res], norm, time.perf_counter() - started, truncated_masked=truncated, lr=lr)
 
 
 def log_skipped_step(batch: TrainBatch) -> None:
@@ -871,8 +931,9 @@ def summarize(
     elapsed_s: float,
     *,
     truncated_masked: int = 0,
+    lr: float = 0.0,
 ) -> StepMetrics:
-    """Step metrics from the gradient results of a batch's parts."""
+    """Step metrics from the gradient results of a batch's parts (``lr``: the update's learning rate)."""
     tokens = sum(p.loss_tokens for p in parts)
     rows = batch.sample_mask.bool()
     # one reward per trajectory (a split trajectory has several rows sharing it)
@@ -906,4 +967,5 @@ def summarize(
         kl=sum(p.ref_kl_sum for p in parts) / max(tokens, 1),
         truncated_masked=truncated_masked,
         top_p_outside_fraction=sum(p.outside_top_p_tokens for p in parts) / max(tokens, 1),
+        lr=lr,
     )

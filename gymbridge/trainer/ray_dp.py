@@ -379,6 +379,7 @@ class RayDPTrainer:
                 self.ray.get([w.discard.remote() for w in self.workers])
                 raise
         applied = time.perf_counter()
+        lr = self.trainer.config.lr_at(self.trainer.steps + 1)  # what every worker's apply uses
         outs = self.ray.get([w.apply.remote(rank == 0) for rank, w in enumerate(self.workers)])
         norm, weights = outs[0]
         assert weights is not None
@@ -386,7 +387,7 @@ class RayDPTrainer:
             self.trainer.model.load_state_dict(weights)
         self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
-        return summarize(batch, parts, norm, time.perf_counter() - started, truncated_masked=truncated)
+        return summarize(batch, parts, norm, time.perf_counter() - started, truncated_masked=truncated, lr=lr)
 
     def param_digests(self) -> list[str]:
         """The driver's parameter digest followed by every worker's (all equal when in sync)."""
