@@ -92,7 +92,7 @@ workers=${GYMBRIDGE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 case "$workers" in '' | *[!0-9]*) echo "!! GYMBRIDGE_TEST_WORKERS=$workers is not a number"; exit 2 ;; esac
 [ "$workers" -le 4 ] || [ -n "${GYMBRIDGE_TEST_WORKERS:-}" ] || workers=4
 if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
-echo "== pytest ${parallel[*]:-}"
+echo "== pytest${parallel[*]:+ ${parallel[*]}}"
 set +e
 "$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
 rc=$?
