@@ -2,7 +2,11 @@
 # The one test command: set up (idempotently) and run the whole suite.
 #   bash scripts/test.sh            # lint + types + default tests
 #   bash scripts/test.sh -k media   # extra args go to pytest
-# Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed.
+# Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed. The genuine
+# nemo-gym venv (.venv-gym) is built in the background meanwhile (its log is printed before pytest).
+# The plain command runs the default tests on GYMBRIDGE_TEST_WORKERS pytest-xdist workers (default:
+# the CPU count, at most 4; 1 = serial), one test file per worker; with arguments, pytest runs
+# exactly them (add `-n 2` for parallel). The learning tests (-m learning) always run serially.
 # pytest includes tests/packaging: it builds a torch-free venv (the base install) and a venv with
 # gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in a temporary folder (~1 min together).
 set -euo pipefail
@@ -12,6 +16,18 @@ PY=${PYTHON:-python3}
 VENV="$ROOT/.venv"
 STAMP="$VENV/.gymbridge-install-stamp"
 want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
+
+# Genuine NeMo Gym venv for the conformance suite (skips itself when up to date), built beside the
+# .venv install: the two pip runs are mostly single-threaded, so together they use both cores.
+gym_pid=""
+GYM_LOG="$ROOT/.cache/gym-setup.log"
+if [ -x scripts/setup_gym_venv.sh ] && [ "${GYMBRIDGE_SKIP_GYM:-0}" != "1" ]; then
+    mkdir -p "$ROOT/.cache"
+    bash scripts/setup_gym_venv.sh >"$GYM_LOG" 2>&1 &
+    gym_pid=$!
+    # an early exit (a failed install, lint) waits for it rather than leaving it building alone
+    trap 'if [ -n "$gym_pid" ]; then wait "$gym_pid" 2>/dev/null || true; fi' EXIT
+fi
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "== creating $VENV"
@@ -47,11 +63,6 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     echo "== installed in $(( $(date +%s) - t0 )) s"
 fi
 
-# Genuine NeMo Gym venv for the conformance suite (skips itself when up to date).
-if [ -x scripts/setup_gym_venv.sh ] && [ "${GYMBRIDGE_SKIP_GYM:-0}" != "1" ]; then
-    bash scripts/setup_gym_venv.sh || echo "!! gym venv setup failed: the gym suite will be skipped"
-fi
-
 # Headless Chromium for the run viewer test (a Debian package); installed once, never upgraded.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
     echo "== installing chromium (viewer test)"
@@ -69,9 +80,21 @@ echo "== ruff"
 "$VENV/bin/ruff" format --check .
 echo "== mypy --strict gymbridge"
 "$VENV/bin/mypy" gymbridge
-echo "== pytest"
+if [ -n "$gym_pid" ]; then
+    gym_rc=0
+    wait "$gym_pid" || gym_rc=$?
+    cat "$GYM_LOG"
+    [ $gym_rc -eq 0 ] || echo "!! gym venv setup failed: the gym suite will be skipped"
+    gym_pid=""
+fi
+parallel=()
+workers=${GYMBRIDGE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
+case "$workers" in '' | *[!0-9]*) echo "!! GYMBRIDGE_TEST_WORKERS=$workers is not a number"; exit 2 ;; esac
+[ "$workers" -le 4 ] || [ -n "${GYMBRIDGE_TEST_WORKERS:-}" ] || workers=4
+if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
+echo "== pytest${parallel[*]:+ ${parallel[*]}}"
 set +e
-"$VENV/bin/python" -m pytest "$@"
+"$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "pytest collected no tests"; fi

@@ -3,6 +3,15 @@
 Tiers (markers): the default run is unit + in-process integration on CPU.
 ``slow`` and ``gpu`` are opt-in (``-m slow`` / ``-m gpu``); a ``gpu`` test run
 on a machine without CUDA is skipped with a reason instead of failing.
+
+Parallel runs (``scripts/test.sh`` runs the default tier with ``pytest -n 2 --dist loadfile
+--no-loadscope-reorder``, pytest-xdist): each test file stays on one worker (module fixtures start
+once), tests use ``tmp_path`` and free ports, and each worker's torch (and every process a test
+starts) uses one thread (``OMP_NUM_THREADS=1``) so two workers do not oversubscribe the cores. In
+a worker the files measured slowest are collected first (``HEAVY_FIRST``; the
+``--no-loadscope-reorder`` keeps that order instead of xdist's most-tests-first), so no long file
+starts last and leaves one worker idle; the order changes scheduling only, never what a test
+checks.
 """
 
 from __future__ import annotations
@@ -21,6 +30,30 @@ if TYPE_CHECKING:
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if XDIST_WORKER:  # read by torch at import and inherited by the processes tests start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Slowest files first under xdist (per-file seconds from `pytest -n 2 --dist loadfile
+# --durations=0`, heaviest first); a file missing here keeps its collection order after these.
+HEAVY_FIRST = (
+    "tests/trainer/test_resume_kill.py",
+    "tests/trainer/test_smoke.py",
+    "tests/packaging/test_packaging.py",
+    "tests/trainer/test_every_config_trains.py",
+    "tests/trainer/test_ray_dp.py",
+    "tests/trainer/test_run_dir.py",
+    "tests/trainer/test_smoke_placement.py",
+    "tests/gym/test_gym_collector.py",
+    "tests/trainer/test_packing.py",
+    "tests/test_cli_first_hour.py",
+    "tests/trainer/test_grpo_variants.py",
+    "tests/trainer/test_smoke_dp.py",
+    "tests/trainer/test_weight_sync_process.py",
+    "tests/generation/test_gen_server.py",
+    "tests/generation/test_gen_server_hardening.py",
+    "tests/trainer/test_encoder_dedup.py",
+)
 
 
 def _cuda_available() -> bool:
@@ -31,7 +64,18 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+def _heavy_rank(item: pytest.Item, root: Path) -> int:
+    try:
+        rel = Path(str(item.fspath)).resolve().relative_to(root).as_posix()
+    except ValueError:
+        return len(HEAVY_FIRST)
+    return HEAVY_FIRST.index(rel) if rel in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if XDIST_WORKER:  # stable: within a file, and among the unlisted files, the order is kept
+        root = Path(__file__).resolve().parents[1]
+        items.sort(key=lambda item: _heavy_rank(item, root))
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

@@ -24,8 +24,11 @@ from gymbridge.trainer.loop import train_step
 
 pytestmark = pytest.mark.integration
 
-DELAY_S = 0.2  # per model call (one call per rollout)
-TRAIN_S = 0.2  # per update
+# Long enough that the sleeps, not the loop's CPU work, set the times: the suite runs on
+# pytest-xdist workers, and with 0.2 s sleeps the other worker's load once cut the ratio to 1.16x
+# (sync 1.84 s, async 1.59 s; the sleeps alone are 1.6 s and 1.0 s).
+DELAY_S = 0.5  # per model call (one call per rollout)
+TRAIN_S = 0.5  # per update
 STEPS = 4
 
 
