@@ -30,8 +30,8 @@ alone or on a pytest-xdist worker. The default run keeps the machine's default t
 on 10 of 10 seeds), since its 3-minute budget is a user's run.
 
 These take minutes: marked ``slow`` and ``learning``. scripts/test.sh runs them after the default
-tests: the default run and the multi-turn variant's learning run one at a time, then the controls
-on 2 workers, so CI runs them.
+tests: the default run alone (its budget), then the multi-turn variant and the controls on 2
+workers, so CI runs them.
 """
 
 from __future__ import annotations
