@@ -128,12 +128,6 @@ class MediaPolicy(BaseModel):
         """Whether ``host`` on ``port`` is a media store (``media_hosts``)."""
         return _listed(self.media_hosts, host, port)
 
-    def with_media_host(self, entry: str) -> MediaPolicy:
-        """A copy of this policy with ``entry`` (``host:port``) added to ``media_hosts``."""
-        if entry in self.media_hosts:
-            return self
-        return MediaPolicy.model_validate({**self.model_dump(), "media_hosts": (*self.media_hosts, entry)})
-
 
 def _listed(entries: tuple[str, ...], host: str, port: int) -> bool:
     host = host.lower().rstrip(".")
