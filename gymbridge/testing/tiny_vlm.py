@@ -104,6 +104,11 @@ _CORPUS: tuple[str, ...] = (
     "Count the objects: one, two, three, four, five. There are five objects.",
     "Sorry, I cannot see that. Please try again with a different request.",
     "<tools> </tools> Available functions are listed in JSON below.",
+    # Each colour name alone: a one-token answer word (no leading space) for the colour tasks.
+    "red",
+    "green",
+    "blue",
+    "yellow",
 )
 
 # Qwen2-VL style chat template, extended with Hermes tool rendering, a tool role, and video /

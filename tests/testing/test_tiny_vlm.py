@@ -32,6 +32,26 @@ def test_build_is_cached_and_ids_match_tokenizer() -> None:
         assert tok.decode([i]) == name
 
 
+def test_regression_colour_answer_words_are_one_token_each() -> None:
+    """color_pick's answers are one token: with "re" + "d" the policy lost the first token and
+    learned "d" (the default Gym smoke broke in about 1 run in 3), and the 3-token "blue" was
+    rewarded less reliably than the 2-token "red" (the multi-turn variant collapsed to "red")."""
+    from gymbridge_envs.color_pick.data import COLORS
+
+    tok = build_tiny_vlm(0).tokenizer
+    for name in COLORS:
+        ids = tok.encode(name)
+        assert len(ids) == 1, (name, ids)
+        assert tok.decode(ids) == name
+    # after the generation prompt, the answer word is still that one token
+    prompt = tok.encode("<|im_start|>assistant\n")
+    assert tok.encode("<|im_start|>assistant\nred<|im_end|>") == [
+        *prompt,
+        *tok.encode("red"),
+        tok.eos_token_id,
+    ]
+
+
 def test_chat_template_renders_images_tools_and_tool_role() -> None:
     tiny = build_tiny_vlm(0)
     tools = [{"type": "function", "function": {"name": "zoom", "parameters": {"type": "object"}}}]
