@@ -22,6 +22,7 @@ optimizer's state starts fresh; it changes the weights in place and nothing else
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -63,6 +64,8 @@ class WarmupResult:
     first_loss: float
     last_loss: float
     elapsed_s: float
+    skipped: int = 0
+    """Examples left out because their target is the run's forced first call (never sampled)."""
 
 
 def _example_tensors(
@@ -113,6 +116,8 @@ def format_warmup(
             rcp = row["responses_create_params"]
             for items, target in examples(row, rng):
                 batch.append(_example_tensors(generator, items, rcp.get("tools"), target))
+        if not batch:  # every example of these rows was left out (warmup_for_env's forced call)
+            continue
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for kwargs, prompt_len, target_ids in batch:
@@ -128,17 +133,31 @@ def format_warmup(
         n_examples += len(batch)
         logger.debug("warm-up step %d: loss %.4f", step + 1, total)
     optimizer.zero_grad(set_to_none=True)
-    return WarmupResult(config.steps, n_examples, losses[0], losses[-1], time.perf_counter() - started)
+    if not losses:
+        return WarmupResult(0, 0, 0.0, 0.0, time.perf_counter() - started)
+    return WarmupResult(len(losses), n_examples, losses[0], losses[-1], time.perf_counter() - started)
 
 
 def warmup_for_env(
-    spec: Any, params: Mapping[str, Any], policy: Any, generator: HFGenerator, config: WarmupConfig
+    spec: Any,
+    params: Mapping[str, Any],
+    policy: Any,
+    generator: HFGenerator,
+    config: WarmupConfig,
+    *,
+    forced_first_call: str | None = None,
 ) -> WarmupResult | None:
     """:func:`format_warmup` on rows of the example environment ``spec`` (its ``format_examples``).
 
     ``None`` when ``config.steps == 0``; :class:`~gymbridge.errors.ConfigError` when the
     environment has no ``format_examples``. The rows are generated with the warm-up's own
     seed, so they are not the rows the run trains on.
+
+    ``forced_first_call`` (the launcher's ``force_first_call``): examples whose target is
+    that text are left out (counted in :attr:`WarmupResult.skipped`). The run never samples
+    its first call, so all the warm-up's steps go to the format that is sampled; measured on
+    ``configs/smoke_color_tool.yaml`` with one torch thread, seed 0: trained on the call too,
+    the answer after the tool image stayed at chance; without it the run learned (README).
     """
     from gymbridge.errors import ConfigError
 
@@ -150,4 +169,17 @@ def warmup_for_env(
             [f"warmup.steps={config.steps}: {spec.name!r} has no format_examples; set warmup.steps=0"]
         )
     rows = list(spec.generate(config.rows_per_step * 4, 1_000_003 + config.seed, **params))
-    return format_warmup(policy, generator, rows, examples, config)
+    if forced_first_call is None:
+        return format_warmup(policy, generator, rows, examples, config)
+    env_examples = examples
+    skipped = 0
+
+    def sampled_examples(row: Mapping[str, Any], rng: random.Random) -> list[FormatExample]:
+        nonlocal skipped
+        every = env_examples(row, rng)
+        kept = [e for e in every if e[1] != forced_first_call]
+        skipped += len(every) - len(kept)
+        return kept
+
+    result = format_warmup(policy, generator, rows, sampled_examples, config)
+    return dataclasses.replace(result, skipped=skipped)
