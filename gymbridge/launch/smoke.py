@@ -99,6 +99,7 @@ from gymbridge.launch.reporters import ReportTo
 from gymbridge.launch.userenv import LauncherModel
 from gymbridge.launch.warmup import WarmupConfig
 from gymbridge.safe_io import write_atomic
+from gymbridge.tensors.batch import AdvantageMode
 from gymbridge.trainer.grpo import GRPOConfig, StepMetrics
 
 if TYPE_CHECKING:
@@ -196,6 +197,10 @@ class SmokeConfig(StrictModel):
     from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward_components_check: Literal["sum", "off"] = "off"
+    advantage: AdvantageMode = "group_norm"
+    """Group advantages (``gymbridge.tensors.batch.group_advantages``): ``group_norm`` ``(r - mean) /
+    std`` (GRPO), ``group_mean`` ``r - mean`` (no std division: Dr. GRPO; a lone failure among
+    correct rollouts gets ``-(G-1)/G`` instead of about ``-2.5`` at G = 8), ``none`` the raw reward."""
     """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
@@ -579,13 +584,27 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
 
         # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
         renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
-        warm = await asyncio.to_thread(warmup_for_env, spec, cfg.env_params, policy, renderer, cfg.warmup)
+        warm = await asyncio.to_thread(
+            functools.partial(warmup_for_env, forced_first_call=cfg.force_first_call),
+            spec,
+            cfg.env_params,
+            policy,
+            renderer,
+            cfg.warmup,
+        )
         if trainer.reference is not None:  # KL to the policy RL starts from: the warmed-up one
             trainer.freeze_reference()
-        if warm is not None:
+        if warm is not None and warm.examples == 0:
             print(
-                f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets, "
-                f"loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)",
+                f"format warm-up: nothing to train, its {warm.skipped} target(s) are all the forced "
+                "first call (never sampled)",
+                file=out,
+            )
+        elif warm is not None:
+            print(
+                f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets"
+                + (f" ({warm.skipped} of the forced first call left out)" if warm.skipped else "")
+                + f", loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)",
                 file=out,
             )
         policy.to(dtype)  # in place (the optimizer's parameters stay the same objects; no state yet)
@@ -727,6 +746,7 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
             max_consecutive_failed_groups=cfg.max_consecutive_failed_groups,
             dedup=cfg.dedup,
             reward_components_check=cfg.reward_components_check,
+            advantage=cfg.advantage,
             failures_path=run.failures_path,
             meter=meter,
             media_policy=MediaPolicy(media_hosts=media_hosts) if media_hosts else None,

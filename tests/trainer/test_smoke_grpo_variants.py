@@ -99,3 +99,33 @@ def test_regression_a_user_dataset_gets_the_same_top_p_rule(tmp_path: Path) -> N
     bad = orjson.dumps({"responses_create_params": {"input": "hi", "top_p": 0.5}})
     with pytest.raises(ConfigError, match=r"line 2 asks for top_p=0.5 but the trainer scores with top_p=0.9"):
         _copy_dataset(cfg, [line, bad], out)
+
+
+@pytest.mark.parametrize("mode", ["group_mean", "group_norm"])
+def test_advantage_mode_from_the_launcher_reaches_every_rollout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """``--set advantage=group_mean`` (Dr. GRPO: no std division) is what the trained rollouts carry."""
+    run = tmp_path / "run"
+    argv = ["--native", "--steps", "2", "--prompts", "2", "--group-size", "4", "--no-progress"]
+    argv += ["--run-dir", str(run), "--set", f"advantage={mode}"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    checked = mixed = 0
+    for step in (1, 2):
+        rollouts = _lines(run / "rollouts" / f"step_{step}.jsonl")
+        groups: dict[object, list[dict[str, object]]] = {}
+        for r in rollouts:
+            groups.setdefault(r["group"], []).append(r)
+        for group in groups.values():
+            rewards = [float(r["reward"]) for r in group]  # type: ignore[arg-type]
+            mean = sum(rewards) / len(rewards)
+            std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5
+            mixed += std > 0
+            for r, x in zip(group, rewards, strict=True):
+                want = x - mean if mode == "group_mean" else ((x - mean) / (std + 1e-6) if std else 0.0)
+                assert float(r["advantage"]) == pytest.approx(want, abs=1e-5)  # type: ignore[arg-type]
+                checked += 1
+    assert checked == 2 * 2 * 4 and mixed  # a group with reward variance tells the modes apart
+    with pytest.raises(ConfigError, match="advantage"):
+        build_config(None, [("advantage", "z_score")], {})
