@@ -1,7 +1,8 @@
 """color_pick task data: a solid-colour image, a one-word answer, the reward, the format warm-up.
 
 A row shows one solid colour (one of ``colors``) and asks which it is; the answer is the
-colour's name, one token of the tiny model's vocabulary. With ``reveal="tool"`` the prompt
+colour's name, one token of the tiny model's vocabulary (the tiny tokenizer's corpus holds
+each colour name alone for that). With ``reveal="tool"`` the prompt
 holds no image: the model must call ``look`` (no arguments) and the colour arrives as the
 tool's image at the second model call, so it can only be learned through per-turn media.
 ``blank=True`` paints every prompt image mid-grey while the answer stays the row's colour:
@@ -55,6 +56,7 @@ LAUNCHER_DEFAULTS: dict[str, Any] = {
         "lr_schedule": "cosine",
         "lr_decay_steps": "${steps}",
         "lr_min_ratio": 0.1,
+        "adam_eps": 1.0e-5,
     },
 }
 """What ``gymbridge smoke run --env color_pick`` trains with (see ``gymbridge_envs.registry``)."""
@@ -164,6 +166,11 @@ def format_examples(row: Mapping[str, Any], rng: random.Random) -> list[tuple[li
     Every answer target is ``rng.choice(row["colors"])``: drawn without looking at the row's
     colour, so the warm-up teaches the format (one colour word, then end of turn; in tool
     mode, first the ``look`` call) and never which colour an image shows.
+
+    Drawn at random, not balanced: with every row given every answer word once, the warm-up's
+    loss reached its floor (0.347, ln 2 / 2 per token) and the multi-turn smoke (seed 0, one
+    torch thread) then stayed at chance for 80 steps with grad_norm at most 0.13 (our reading:
+    the answer no longer depended on the image at all); with random targets it learned (0.994).
     """
     rcp = row["responses_create_params"]
     items = list(rcp["input"])

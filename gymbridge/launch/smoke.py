@@ -208,7 +208,12 @@ class SmokeConfig(StrictModel):
     """Format warm-up before GRPO (:mod:`gymbridge.launch.warmup`; ``steps: 0``: none)."""
     trainer: GRPOConfig = Field(
         default_factory=lambda: GRPOConfig(
-            lr=2e-3, lr_warmup_steps=10, lr_schedule="cosine", lr_decay_steps=100, lr_min_ratio=0.1
+            lr=2e-3,
+            lr_warmup_steps=10,
+            lr_schedule="cosine",
+            lr_decay_steps=100,
+            lr_min_ratio=0.1,
+            adam_eps=1e-5,
         )
     )
     """``trainer.temperature`` and ``trainer.top_p`` are also the rollouts' sampling settings (every

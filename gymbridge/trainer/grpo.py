@@ -214,6 +214,11 @@ class GRPOConfig(StrictModel):
     """The decay's floor as a fraction of ``lr``."""
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = Field(1e-8, gt=0, le=1.0, allow_inf_nan=False)
+    """AdamW's ``eps`` (added to the root of the second moment). Adam moves every weight by about
+    ``lr`` whatever the size of its gradient, unless that gradient is well below ``adam_eps``: a
+    larger one damps the weights that only ever see tiny gradients (docs/grpo.md, *Adam's eps*:
+    the smoke configs' 1e-5)."""
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     max_grad_norm: float | None = 1.0
@@ -737,7 +742,11 @@ class GRPOTrainer:
             check_packable(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = optimizer or torch.optim.AdamW(
-            self.params, lr=self.config.lr, betas=self.config.betas, weight_decay=self.config.weight_decay
+            self.params,
+            lr=self.config.lr,
+            betas=self.config.betas,
+            eps=self.config.adam_eps,
+            weight_decay=self.config.weight_decay,
         )
         self.steps = 0
         self.reference: Any | None = None

@@ -123,3 +123,24 @@ def test_the_lr_schedule_from_the_launcher_lands_in_metrics(
     assert all(r["num_loss_tokens"] for r in records)  # every step updated (else the schedule waits)
     assert [r["lr"] for r in records] == pytest.approx(want)
     assert "  lr 5.00e-04" in capsys.readouterr().out
+
+
+def test_adam_eps_is_the_optimizers_and_must_be_positive(tiny: TinyVLM) -> None:
+    """``trainer.adam_eps`` reaches AdamW; a weight whose gradients stay far below it barely moves."""
+    model = tiny_policy(0)
+    batch = with_current_logprobs(model, make_batch(tiny))
+    moved = {}
+    for eps in (1e-8, 1e-2):
+        policy = tiny_policy(0)
+        trainer = GRPOTrainer(policy, GRPOConfig(lr=1e-3, adam_eps=eps), on_policy=False)
+        assert trainer.optimizer.param_groups[0]["eps"] == eps
+        before = [p.detach().clone() for p in trainer.params]
+        trainer.step(batch)
+        pairs = zip(trainer.params, before, strict=True)
+        steps = torch.cat([(p.detach() - b).abs().flatten() for p, b in pairs])
+        moved[eps] = (float(steps.max()), float(steps.mean()))
+    assert moved[1e-8][0] == pytest.approx(1e-3, rel=0.05)  # Adam's 1st step: about lr, whatever the gradient
+    assert moved[1e-2][1] < 0.1 * moved[1e-8][1]  # on average: most gradients are far below 1e-2
+    for bad in (0.0, -1e-8, float("nan")):
+        with pytest.raises(ValidationError):
+            GRPOConfig(adam_eps=bad)
