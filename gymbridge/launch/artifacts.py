@@ -124,6 +124,7 @@ class RunArtifacts:
                     "prompt_tokens": len(t.prompt_token_ids),
                     "generated_tokens": len(t.generation_token_ids),
                     "generation_token_ids": list(t.generation_token_ids),
+                    "generation_logprobs": [round(float(x), 5) for x in t.generation_logprobs],
                     "text": self._text(t.generation_token_ids),
                     "tool_names": list(t.tool_names),
                     "policy_version": t.policy_version,

@@ -49,6 +49,9 @@ def test_rollouts_of_every_step_with_turns_rewards_and_media_by_key(run_dir: Pat
             assert r["reward"] in (0.0, 1.0) and r["advantage"] is not None
             (turn,) = r["turns"]
             assert turn["generated_tokens"] == len(turn["generation_token_ids"]) > 0
+            # the sampler's logprob of each generated token (a policy's confidence, per turn)
+            assert len(turn["generation_logprobs"]) == turn["generated_tokens"]
+            assert all(lp <= 0.0 for lp in turn["generation_logprobs"])
             assert isinstance(turn["text"], str)
             (media,) = turn["media"]
             assert (run_dir / media["path"]).is_file()
