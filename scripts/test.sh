@@ -6,8 +6,7 @@
 # nemo-gym venv (.venv-gym) is built in the background meanwhile (its log is printed before pytest).
 # The plain command runs the default tests on GYMBRIDGE_TEST_WORKERS pytest-xdist workers (default:
 # the CPU count, at most 4; 1 = serial), one test file per worker; with arguments, pytest runs
-# exactly them (add `-n 2` for parallel). The learning tests (-m learning) come last: the default
-# smoke's budgeted run alone, then the multi-turn variant and the controls on 2 workers.
+# exactly them (add `-n 2` for parallel). The learning tests (-m learning) come last, on 2 workers.
 # pytest includes tests/packaging: it builds a torch-free venv (the base install) and a venv with
 # gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in a temporary folder (~1 min together).
 set -euo pipefail
@@ -99,21 +98,14 @@ set +e
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "pytest collected no tests"; fi
-# The learning controls (minutes each): run by the plain command (CI), not when pytest args are given.
+# The learning runs (minutes each): run by the plain command (CI), not when pytest args are given.
+# The default smoke learns within its 3 minutes, the multi-turn variant learns, the controls stay at
+# chance; each pins one torch thread, so two workers give the same numbers as one.
 if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
-    # the default smoke's learning run alone (it asserts a user's 3-minute budget), then the
-    # multi-turn variant's (it pins the 2 torch threads it was measured with) and the controls
-    # (they stay at chance whatever the rounding) on 2 workers
-    learns="test_default_smoke_learns_from_env_reward_alone"
-    echo "== pytest -m learning -k $learns (the default smoke learns, within its 3 minutes)"
+    echo "== pytest -m learning -n 2 (the default smoke and the multi-turn variant learn; the controls stay at chance)"
     set +e
-    "$VENV/bin/python" -m pytest -m learning -k "$learns"
+    "$VENV/bin/python" -m pytest -m learning -n 2 --dist load
     rc=$?
-    if [ $rc -eq 0 ]; then
-        echo "== pytest -m learning -k 'not $learns' -n 2 (the multi-turn variant learns; the controls stay at chance)"
-        "$VENV/bin/python" -m pytest -m learning -k "not ($learns)" -n 2 --dist load
-        rc=$?
-    fi
     set -e
 fi
 exit $rc
