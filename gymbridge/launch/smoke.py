@@ -197,11 +197,11 @@ class SmokeConfig(StrictModel):
     from the latest)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     reward_components_check: Literal["sum", "off"] = "off"
+    """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     advantage: AdvantageMode = "group_norm"
     """Group advantages (``gymbridge.tensors.batch.group_advantages``): ``group_norm`` ``(r - mean) /
     std`` (GRPO), ``group_mean`` ``r - mean`` (no std division: Dr. GRPO; a lone failure among
     correct rollouts gets ``-(G-1)/G`` instead of about ``-2.5`` at G = 8), ``none`` the raw reward."""
-    """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     shaping: ShapingConfig = Field(default_factory=lambda: ShapingConfig(kind="none"))
     """Toy dense shaping added to the environment reward (``kind: token_rate`` turns it on)."""
     warmup: WarmupConfig = Field(default_factory=lambda: WarmupConfig(steps=40))

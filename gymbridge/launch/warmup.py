@@ -60,6 +60,7 @@ class WarmupConfig(StrictModel):
 @dataclass(frozen=True)
 class WarmupResult:
     steps: int
+    """Optimizer steps taken (a step whose rows left no example is not taken)."""
     examples: int
     first_loss: float
     last_loss: float
