@@ -23,7 +23,7 @@ can fail only for a reason (the README reports the Gym path's own runs).
 A native run is bit-reproducible for a given torch thread count (the count changes the order of
 float reductions, and a learning curve follows its rounding), so every test here pins one torch
 thread (``one_torch_thread``): the same numbers alone, on a pytest-xdist worker, or on a machine
-with more cores. The default run's 3-minute budget holds there too (112 s measured with another
+with more cores. The default run's 3-minute budget holds there too (95-112 s measured with another
 of these runs beside it).
 
 Step 1 comes before any update, after the warm-up: its 16 rollouts sample a policy that has seen
