@@ -22,7 +22,6 @@ optimizer's state starts fresh; it changes the weights in place and nothing else
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -93,12 +92,15 @@ def format_warmup(
     rows: Sequence[Mapping[str, Any]],
     examples: Callable[[Mapping[str, Any], random.Random], list[FormatExample]],
     config: WarmupConfig,
+    *,
+    skip_target: str | None = None,
 ) -> WarmupResult:
     """Train ``policy`` (the generator's model or the trainer's copy of it) on ``examples`` of ``rows``.
 
     Row ``s * rows_per_step + j`` (cycled) feeds step ``s``; each example's loss is the mean
     negative log-likelihood of its target tokens (plus end of turn); a step averages its
-    examples' losses.
+    examples' losses. Examples whose target is ``skip_target`` are left out and counted
+    (:attr:`WarmupResult.skipped`); a step left with none is not taken.
     """
     from gymbridge.generation.hf import suppress_logits
 
@@ -109,15 +111,18 @@ def format_warmup(
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=config.lr)
     suppressed = generator.suppressed_token_ids
     losses: list[float] = []
-    n_examples = 0
+    n_examples = skipped = 0
     for step in range(config.steps):
         batch: list[tuple[dict[str, Any], int, list[int]]] = []
         for j in range(config.rows_per_step):
             row = rows[(step * config.rows_per_step + j) % len(rows)]
             rcp = row["responses_create_params"]
             for items, target in examples(row, rng):
+                if target == skip_target:
+                    skipped += 1
+                    continue
                 batch.append(_example_tensors(generator, items, rcp.get("tools"), target))
-        if not batch:  # every example of these rows was left out (warmup_for_env's forced call)
+        if not batch:  # every example of these rows was left out
             continue
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -134,9 +139,10 @@ def format_warmup(
         n_examples += len(batch)
         logger.debug("warm-up step %d: loss %.4f", step + 1, total)
     optimizer.zero_grad(set_to_none=True)
+    elapsed = time.perf_counter() - started
     if not losses:
-        return WarmupResult(0, 0, 0.0, 0.0, time.perf_counter() - started)
-    return WarmupResult(len(losses), n_examples, losses[0], losses[-1], time.perf_counter() - started)
+        return WarmupResult(0, 0, 0.0, 0.0, elapsed, skipped)
+    return WarmupResult(len(losses), n_examples, losses[0], losses[-1], elapsed, skipped)
 
 
 def warmup_for_env(
@@ -170,17 +176,4 @@ def warmup_for_env(
             [f"warmup.steps={config.steps}: {spec.name!r} has no format_examples; set warmup.steps=0"]
         )
     rows = list(spec.generate(config.rows_per_step * 4, 1_000_003 + config.seed, **params))
-    if forced_first_call is None:
-        return format_warmup(policy, generator, rows, examples, config)
-    env_examples = examples
-    skipped = 0
-
-    def sampled_examples(row: Mapping[str, Any], rng: random.Random) -> list[FormatExample]:
-        nonlocal skipped
-        every = env_examples(row, rng)
-        kept = [e for e in every if e[1] != forced_first_call]
-        skipped += len(every) - len(kept)
-        return kept
-
-    result = format_warmup(policy, generator, rows, sampled_examples, config)
-    return dataclasses.replace(result, skipped=skipped)
+    return format_warmup(policy, generator, rows, examples, config, skip_target=forced_first_call)
