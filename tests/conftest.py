@@ -4,11 +4,11 @@ Tiers (markers): the default run is unit + in-process integration on CPU.
 ``slow`` and ``gpu`` are opt-in (``-m slow`` / ``-m gpu``); a ``gpu`` test run
 on a machine without CUDA is skipped with a reason instead of failing.
 
-Parallel runs (``scripts/test.sh`` runs the default tier with ``pytest -n 2 --dist loadfile
---no-loadscope-reorder``, pytest-xdist): each test file stays on one worker (module fixtures start
-once), tests use ``tmp_path`` and free ports, and each worker's torch (and every process a test
-starts) uses one thread (``OMP_NUM_THREADS=1``) so two workers do not oversubscribe the cores. In
-a worker the files measured slowest are collected first (``HEAVY_FIRST``; the
+Parallel runs (``scripts/test.sh`` runs the default tier with ``pytest -n <CPUs, at most 4>
+--dist loadfile --no-loadscope-reorder``, pytest-xdist): each test file stays on one worker
+(module fixtures start once), tests use ``tmp_path`` and free ports, and each worker's torch
+(and every process a test starts) uses one thread (``OMP_NUM_THREADS=1``) so the workers do not
+oversubscribe the cores. In a worker the files measured slowest are collected first (``HEAVY_FIRST``; the
 ``--no-loadscope-reorder`` keeps that order instead of xdist's most-tests-first), so no long file
 starts last and leaves one worker idle; the order changes scheduling only, never what a test
 checks.

@@ -50,7 +50,12 @@ import torch
 
 from gymbridge.launch.smoke import build_config, run_smoke
 
-pytestmark = [pytest.mark.slow, pytest.mark.learning, pytest.mark.timeout(900)]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.learning,
+    pytest.mark.timeout(900),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 def _mean(xs: list[float]) -> float:
@@ -72,21 +77,16 @@ def _assert_step1_blind_to_the_image(run_dir: Path) -> None:
         assert max(ps) - min(ps) <= 0.05, (word, ps)
 
 
-def _torch_threads(n: int) -> Iterator[None]:
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
     before = torch.get_num_threads()
-    torch.set_num_threads(n)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
         torch.set_num_threads(before)
 
 
-@pytest.fixture
-def one_torch_thread() -> Iterator[None]:
-    yield from _torch_threads(1)
-
-
-@pytest.mark.usefixtures("one_torch_thread")
 def test_default_smoke_learns_from_env_reward_alone(tmp_path: Path) -> None:
     cfg = build_config(None, [], {"run_dir": str(tmp_path / "run"), "native": True})
     assert cfg.shaping.kind == "none" and cfg.env == "color_pick"
@@ -103,7 +103,6 @@ def test_default_smoke_learns_from_env_reward_alone(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "charts" / "env_reward.png").is_file()
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_blanked_images_stay_at_chance(tmp_path: Path) -> None:
     cfg = build_config(None, [("env_params.blank", True)], {"run_dir": str(tmp_path / "run"), "native": True})
     out = io.StringIO()
@@ -130,7 +129,6 @@ def _tool_run(tmp_path: Path, overrides: list[tuple[str, object]]) -> tuple[list
     return result.env_rewards, out.getvalue()
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_image_variant_learns_from_env_reward_alone(tmp_path: Path) -> None:
     rewards, log = _tool_run(tmp_path, [])
     # the warm-up taught the answer only: the forced look call is never sampled
@@ -147,14 +145,12 @@ def test_tool_image_variant_learns_from_env_reward_alone(tmp_path: Path) -> None
         assert [m["modality"] for m in second["media"]] == ["image"]
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_variant_blanked_images_stay_at_chance(tmp_path: Path) -> None:
     rewards, log = _tool_run(tmp_path, [("env_params.blank", True)])
     assert 0.3 <= _mean(rewards[-30:]) <= 0.7, log
     assert max(_mean(rewards[i : i + 10]) for i in range(0, len(rewards) - 9)) < 0.9, log
 
 
-@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_variant_stale_turn0_prompt_stays_at_chance(tmp_path: Path) -> None:
     """The generator's input keeps the turn-0 prompt's media only (the tool's image withheld).
 

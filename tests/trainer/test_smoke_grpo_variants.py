@@ -7,9 +7,11 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 
 from gymbridge.errors import ConfigError
 from gymbridge.launch.smoke import _copy_dataset, _write_dataset, build_config, main
+from gymbridge.tensors.batch import group_advantages
 
 pytestmark = pytest.mark.integration
 
@@ -118,13 +120,11 @@ def test_advantage_mode_from_the_launcher_reaches_every_rollout(
         for r in rollouts:
             groups.setdefault(r["group"], []).append(r)
         for group in groups.values():
-            rewards = [float(r["reward"]) for r in group]  # type: ignore[arg-type]
-            mean = sum(rewards) / len(rewards)
-            std = (sum((x - mean) ** 2 for x in rewards) / (len(rewards) - 1)) ** 0.5
-            mixed += std > 0
-            for r, x in zip(group, rewards, strict=True):
-                want = x - mean if mode == "group_mean" else ((x - mean) / (std + 1e-6) if std else 0.0)
-                assert float(r["advantage"]) == pytest.approx(want, abs=1e-5)  # type: ignore[arg-type]
+            rewards = torch.tensor([float(r["reward"]) for r in group])  # type: ignore[arg-type]
+            mixed += bool(rewards.std() > 0)
+            want = group_advantages(rewards, len(group), mode=mode)  # type: ignore[arg-type]
+            for r, a in zip(group, want.tolist(), strict=True):
+                assert float(r["advantage"]) == pytest.approx(a, abs=1e-5)  # type: ignore[arg-type]
                 checked += 1
     assert checked == 2 * 2 * 4 and mixed  # a group with reward variance tells the modes apart
     with pytest.raises(ConfigError, match="advantage"):
