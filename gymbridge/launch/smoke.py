@@ -590,12 +590,13 @@ async def _run(cfg: SmokeConfig, out: IO[str], progress: bool, run: RunDir, resu
         # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
         renderer = HFGenerator(policy, tiny.processor, max_model_len=cfg.max_model_len)
         warm = await asyncio.to_thread(
-            functools.partial(warmup_for_env, forced_first_call=cfg.force_first_call),
+            warmup_for_env,
             spec,
             cfg.env_params,
             policy,
             renderer,
             cfg.warmup,
+            forced_first_call=cfg.force_first_call,
         )
         if trainer.reference is not None:  # KL to the policy RL starts from: the warmed-up one
             trainer.freeze_reference()
