@@ -15,7 +15,7 @@ setup(
     packages=find_packages(include=["gymbridge*"]) + envs,
     package_dir={ENVS_PACKAGE: ENVS_FOLDER},
     package_data={
-        "gymbridge": ["py.typed", "launch/viewer.html", "configs/*.yaml"],
+        "gymbridge": ["py.typed", "run/viewer.html", "configs/*.yaml"],
         ENVS_PACKAGE: ["*/tests/*.json"],
     },
 )

@@ -42,7 +42,6 @@ __all__ = [
     "png_bytes",
     "png_data_url",
     "row_rng",
-    "shaped_launcher_defaults",
     "write_jsonl",
 ]
 
@@ -175,20 +174,3 @@ def parse_int_answer(output: object, *, tool: str = "answer", arg: str = "count"
         return int(tagged[-1])
     bare = _INTEGER.findall(text)
     return int(bare[-1]) if bare else None
-
-
-def shaped_launcher_defaults(env_params: Mapping[str, Any], *, max_turns: int) -> dict[str, Any]:
-    """``LAUNCHER_DEFAULTS`` of an environment the random tiny model never solves.
-
-    Its env reward is 0 for every rollout, so a toy digit-rate bonus (the launcher's
-    ``shaping``) gives GRPO reward variance; no format warm-up, and a constant learning rate
-    (not the default config's warm-up and decay, tuned for color_pick's 100 steps).
-    """
-    return {
-        "env_params": dict(env_params),
-        "max_turns": max_turns,
-        "max_tokens": 16,
-        "shaping": {"kind": "token_rate", "tokens": "0123456789", "weight": 1.0},
-        "warmup": {"steps": 0},
-        "trainer": {"lr": 2.0e-2, "lr_warmup_steps": 0, "lr_schedule": "constant"},
-    }

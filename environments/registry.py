@@ -109,14 +109,15 @@ class EnvSpec:
             raise ConfigError(problems, source=f"{self.package}.data")
         return checked
 
-    def launcher_defaults(self) -> dict[str, Any]:
-        """Launcher settings this environment trains with (``LAUNCHER_DEFAULTS`` of its data module).
+    @property
+    def max_turns(self) -> int:
+        """Model calls an episode may take (``MAX_TURNS`` of its data module; 1 when it has none)."""
+        return int(getattr(self.data_module(), "MAX_TURNS", 1))
 
-        Keys are launcher config keys (``env_params``, ``max_turns``, ``shaping``, ``warmup``, ...);
-        a launcher switched to this environment (``--env NAME``) applies them instead of the
-        config file's settings for another environment. ``{}`` when the module has none.
-        """
-        found = getattr(self.data_module(), "LAUNCHER_DEFAULTS", None)
+    @property
+    def smoke_params(self) -> dict[str, Any]:
+        """Generator parameters of a smoke run on the tiny model (``SMOKE_PARAMS``; ``{}``: none)."""
+        found = getattr(self.data_module(), "SMOKE_PARAMS", None)
         return copy.deepcopy(dict(found)) if isinstance(found, Mapping) else {}
 
     def make_row(self, seed: int, index: int, **params: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from gymbridge.bridge import BridgeIterator, GymRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.tensors import MediaProcessor
 from gymbridge.testing.tiny_vlm import build_tiny_vlm
@@ -37,9 +37,11 @@ async def main() -> None:
             args.data,
             GymRollouts(client),
             MediaProcessor(tiny.processor),
-            group_size=args.group_size,
-            prompts_per_batch=args.prompts,
-            min_group_size=min(args.group_size, max(2, args.group_size // 2)),
+            BridgeConfig(
+                group_size=args.group_size,
+                prompts_per_step=args.prompts,
+                min_group_size=min(args.group_size, max(2, args.group_size // 2)),
+            ),
             failures_path="failures.jsonl",
         )
         step = 0

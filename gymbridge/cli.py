@@ -71,20 +71,20 @@ COMMAND_GROUPS: dict[str, tuple[str, str]] = {
         "gymbridge.server.cli:add_agent_commands",
     ),
     "smoke": (
-        "end-to-end smoke on loopback: env + agent + model + GRPO",
-        "gymbridge.launch.smoke:add_smoke_commands",
+        "the colour toy end to end on loopback (smoke run = train --config smoke)",
+        "gymbridge.run.cli:add_smoke_commands",
     ),
 }
 """Group name -> (help line, ``"module:function"`` adding its subcommands)."""
 
 SINGLE_COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
-        "train on your setup: --env NAME|module:Class or --agent-url URL, --dataset rows, --model tiny|PATH",
-        "gymbridge.launch.train:add_train_arguments",
+        "a GRPO run: --env NAME|module:Class or --agent-url URL, --dataset rows, --model tiny|PATH, --config",
+        "gymbridge.run.cli:add_train_arguments",
     ),
     "collect": (
         "roll a dataset out through any NeMo Gym agent (ng_collect_rollouts): results + failures",
-        "gymbridge.launch.collect:add_collect_arguments",
+        "gymbridge.run.collect:add_collect_arguments",
     ),
 }
 """Commands without subcommands: name -> (help line, ``"module:function"`` adding its arguments)."""
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_command(args: argparse.Namespace, *, prog: str, log_level: str) -> int:
     """Run the ``func`` a subcommand set on ``args`` and return the exit code.
 
-    The one place every entry point (``gymbridge``, ``python -m gymbridge.launch.smoke``,
+    The one place every entry point (``gymbridge``,
     ``python -m gymbridge.generation.cli``) turns errors into exit codes: a library error is
     exit 2 with one ``<prog>: error: ...`` line on stderr, Ctrl-C is 130, never a traceback.
     """

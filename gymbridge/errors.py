@@ -42,14 +42,16 @@ exceptions (``TypeError``, ``ValueError``).
     ├── TrainingError          the training loop cannot go on
     │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
     │   │                      the trainer's (``ratio_mean``, ``tolerance``)
-    │   ├── SamplingMismatchError  a rollout was sampled with another top-p than
-    │   │                      the trainer's (``rollout_top_p``, ``trainer_top_p``)
+    │   ├── SamplingMismatchError  a rollout was sampled with another top-p or
+    │   │                      temperature than the trainer's (``setting``, values)
     │   ├── WeightSyncError    publishing weights to a generator failed
     │   │                      (a name / shape mismatch, a dead group, a refused route)
     │   └── GeneratorProcessError  the generator's own process did not start
     │                          (exited or never ready; the message holds its log tail)
     └── ConfigError            a configuration is invalid; ``problems`` lists
-                               every problem found, not just the first
+        │                      every problem found, not just the first
+        └── ResumeError        a run directory cannot be continued as asked
+                               (no checkpoint to resume from; ``path``)
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ __all__ = [
     "PolicyDriftError",
     "ProtocolError",
     "ReplayCheckpointError",
+    "ResumeError",
     "SamplingMismatchError",
     "ServeError",
     "TrainingError",
@@ -277,31 +280,33 @@ class PolicyDriftError(TrainingError):
 
 
 class SamplingMismatchError(TrainingError):
-    """A rollout was sampled with another top-p than the trainer scores with (a biased ratio).
+    """A rollout was sampled otherwise than the trainer scores it (a biased importance ratio).
 
-    ``rollout_top_p`` is what the row recorded, ``trainer_top_p`` the trainer's ``top_p``,
-    ``row`` / ``task_index`` / ``rollout_index`` name the row.
+    ``setting`` is ``"top_p"`` or ``"temperature"``; ``rollout_value`` is what the row recorded,
+    ``trainer_value`` the trainer's; ``row`` / ``task_index`` / ``rollout_index`` name the row.
     """
 
     def __init__(
         self,
         *,
-        rollout_top_p: float,
-        trainer_top_p: float,
+        setting: str,
+        rollout_value: float,
+        trainer_value: float,
         row: int,
         task_index: Any = None,
         rollout_index: Any = None,
     ) -> None:
-        self.rollout_top_p = rollout_top_p
-        self.trainer_top_p = trainer_top_p
+        self.setting = setting
+        self.rollout_value = rollout_value
+        self.trainer_value = trainer_value
         self.row = row
         self.task_index = task_index
         self.rollout_index = rollout_index
         super().__init__(
             f"batch row {row} (task {task_index}, rollout {rollout_index}) was sampled with "
-            f"top_p={rollout_top_p:g} but the trainer scores with trainer.top_p={trainer_top_p:g}: the "
-            "importance ratio would compare two different distributions; set trainer.top_p to the "
-            "rollouts' top_p (the launcher sends trainer.top_p to every row)"
+            f"{setting}={rollout_value:g} but the trainer scores with trainer.{setting}={trainer_value:g}: "
+            "the importance ratio would compare two different distributions; set "
+            f"trainer.{setting} to the rollouts' {setting} (a run sends trainer.{setting} to every row)"
         )
 
 
@@ -322,3 +327,12 @@ class ConfigError(GymbridgeError):
         where = f" in {source}" if source else ""
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{len(self.problems)} configuration problem(s){where}:\n{lines}")
+
+
+class ResumeError(ConfigError):
+    """A run directory cannot be continued as asked (``path``): e.g. ``--resume`` of a run that never
+    wrote a checkpoint. The message says how to start it again without losing its history."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = path
+        super().__init__([f"--resume {path}: {reason}"])

@@ -186,10 +186,10 @@ def test_env_list_params_shows_types_and_ranges() -> None:
         (["--set", "trainer.lr=-1"], "lr"),
         (["--set", "trainer.lr=.nan"], "lr"),
         (
-            ["--group-size", "2", "--set", "min_group_size=4"],
+            ["--group-size", "2", "--set", "bridge.min_group_size=4"],
             "min_group_size (4) is larger than group_size (2)",
         ),
-        (["--set", "env_params.img_size=abc"], "img_size takes int"),
+        (["--set", "env.params.img_size=abc"], "img_size takes int"),
     ],
     ids=["negative-lr", "nan-lr", "min-group-size", "env-params"],
 )
@@ -199,8 +199,8 @@ def test_regression_smoke_config_errors_before_any_server_starts(args: list[str]
     assert "servers:" not in out
 
 
-def test_regression_smoke_work_dir_naming_a_file(tmp_path: Path) -> None:
+def test_regression_smoke_run_dir_naming_a_file(tmp_path: Path) -> None:
     afile = tmp_path / "runs.txt"
     afile.write_text("not a folder")
-    out = _fails("smoke", "run", "--no-progress", "--work-dir", str(afile), match="is a file, not a folder")
+    out = _fails("smoke", "run", "--no-progress", "--run-dir", str(afile), match="is a file, not a folder")
     assert "servers:" not in out

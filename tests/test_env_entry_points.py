@@ -32,8 +32,7 @@ FILES = {
         "def generate(n, seed=0, **params):\n"
         "    for i in range(n):\n"
         "        yield make_row(seed, i, **params)\n"
-        "LAUNCHER_DEFAULTS = {'max_turns': 1, 'max_tokens': 4, 'warmup': {'steps': 0},\n"
-        "    'shaping': {'kind': 'token_rate', 'tokens': 'hello'}}\n"
+        "MAX_TURNS = 1\n"
     ),
     "server.py": (
         "from gymbridge.server import ResourcesServer, VerifyResult\n"
@@ -76,11 +75,11 @@ def test_a_broken_entry_point_is_a_config_error_naming_it(echo_env: str) -> None
 
 @pytest.mark.integration
 def test_smoke_trains_a_registered_env(echo_env: str, tmp_path: Path) -> None:
-    from gymbridge.launch.smoke import build_config, run_smoke
+    from gymbridge.run import load_run_config, train
 
-    cfg = build_config(
-        None, [("steps", 1), ("group_size", 4)], {"env": echo_env, "run_dir": str(tmp_path / "r")}
-    )
-    result = run_smoke(cfg, out=io.StringIO())
+    sets = [("steps", 1), ("bridge.group_size", 4), ("rollout.max_tokens", 8)]
+    sets += [("shaping.kind", "token_rate"), ("shaping.tokens", "hello")]
+    cfg = load_run_config(["smoke"], sets, {"env": echo_env, "run_dir": str(tmp_path / "r")})
+    result = train(cfg, out=io.StringIO())
     assert result.rollouts_ok == 8 and result.rollouts_failed == 0
     assert result.steps[0].num_loss_tokens > 0

@@ -26,7 +26,7 @@ import soundfile as sf
 from pydantic import Field
 
 from gymbridge.media import encode_data_url
-from gymbridge_envs._common import row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "beep_count"
 
@@ -36,8 +36,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults({"duration_s": 1.0, "max_beeps": 3}, max_turns=2)
-"""What ``gymbridge smoke run --env beep_count`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 2
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {"duration_s": 1.0, "max_beeps": 3}
+"""Generator parameters of ``gymbridge smoke run --env beep_count`` (small, for the tiny model)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import Field
 
 from gymbridge.media import encode_data_url
-from gymbridge_envs._common import row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "bouncing_ball"
 
@@ -37,8 +37,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 32, "fps": 4, "duration_s": 1.0}, max_turns=2)
-"""What ``gymbridge smoke run --env bouncing_ball`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 2
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {"size": 32, "fps": 4, "duration_s": 1.0}
+"""Generator parameters of ``gymbridge smoke run --env bouncing_ball`` (small, for the tiny model)."""
 
 
 def tools() -> list[dict[str, Any]]:

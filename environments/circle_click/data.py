@@ -21,7 +21,7 @@ from PIL import Image, ImageDraw
 from pydantic import Field
 
 from gymbridge.server import image_part
-from gymbridge_envs._common import png_data_url, row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "circle_click"
 
@@ -43,10 +43,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults(
-    {"img_size": 112, "radius_min": 8, "radius_max": 12}, max_turns=2
-)
-"""What ``gymbridge smoke run --env circle_click`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 2
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {"img_size": 112, "radius_min": 8, "radius_max": 12}
+"""Generator parameters of ``gymbridge smoke run --env circle_click`` (small, for the tiny model)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -44,22 +44,10 @@ BLANK_RGB = (128, 128, 128)
 LOOK_CALL = '<tool_call>\n{"name": "look", "arguments": {}}\n</tool_call>'
 """The Hermes-style text of the one ``look`` call (what the tiny model's chat template renders)."""
 
-LAUNCHER_DEFAULTS: dict[str, Any] = {
-    "env_params": {"colors": "red,blue", "img_size": 56, "reveal": "prompt", "blank": False},
-    "max_turns": 1,
-    "max_tokens": 4,
-    "shaping": {"kind": "none"},
-    "warmup": {"steps": 40, "lr": 1.0e-2, "rows_per_step": 4},
-    "trainer": {
-        "lr": 2.0e-3,
-        "lr_warmup_steps": 10,
-        "lr_schedule": "cosine",
-        "lr_decay_steps": "${steps}",
-        "lr_min_ratio": 0.1,
-        "adam_eps": 1.0e-5,
-    },
-}
-"""What ``gymbridge smoke run --env color_pick`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 1
+"""Model calls an episode takes with ``reveal: prompt`` (``reveal: tool`` takes 2: smoke_color_tool.yaml)."""
+SMOKE_PARAMS: dict[str, Any] = {}
+"""Generator parameters of ``gymbridge smoke run --env color_pick``: its defaults are already small."""
 
 
 def tools() -> list[dict[str, Any]]:

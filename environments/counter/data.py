@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gymbridge_envs._common import row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import row_rng
 
 ENV_NAME = "counter"
 
@@ -26,8 +26,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults({}, max_turns=4)
-"""What ``gymbridge smoke run --env counter`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 4
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {}
+"""Generator parameters of ``gymbridge smoke run --env counter`` (small, for the tiny model)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from gymbridge_envs._common import row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import row_rng
 from gymbridge_envs.grid_door.game import Cell, shortest_path
 
 ENV_NAME = "grid_door"
@@ -30,8 +30,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults({"size": 4}, max_turns=4)
-"""What ``gymbridge smoke run --env grid_door`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 4
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {"size": 4}
+"""Generator parameters of ``gymbridge smoke run --env grid_door`` (small, for the tiny model)."""
 
 
 def make_row(

@@ -22,7 +22,7 @@ from PIL import Image, ImageDraw, ImageFont
 from pydantic import Field
 
 from gymbridge.server import image_part
-from gymbridge_envs._common import png_data_url, row_rng, shaped_launcher_defaults
+from gymbridge_envs._common import png_data_url, row_rng
 
 ENV_NAME = "zoom_read"
 TARGET_COLOR = (220, 30, 30)
@@ -35,10 +35,10 @@ SYSTEM_PROMPT = (
 )
 
 
-LAUNCHER_DEFAULTS = shaped_launcher_defaults(
-    {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56}, max_turns=3
-)
-"""What ``gymbridge smoke run --env zoom_read`` trains with (see ``gymbridge_envs.registry``)."""
+MAX_TURNS = 3
+"""Model calls an episode may take (a run's ``rollout.max_turns`` when it sets none)."""
+SMOKE_PARAMS: dict[str, Any] = {"canvas_size": 256, "thumb_size": 56, "zoom_size": 56}
+"""Generator parameters of ``gymbridge smoke run --env zoom_read`` (small, for the tiny model)."""
 
 
 def tools() -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
 """The bridge: dataset rows -> G rollouts per prompt -> ``TrainBatch`` es, plus a replay buffer.
 
-Public API (stable): :class:`BridgeIterator` (sync and async iteration), :class:`BridgeStats`,
+Public API (stable): :class:`BridgeIterator` (sync and async iteration; :meth:`~BridgeIterator.next_batch`
+gives each batch with what a step reports, a :class:`BridgeBatch`), its settings :class:`BridgeConfig`,
+:class:`BridgeStats`,
 :class:`BridgeStalledError`, the rollout sources :class:`GymRollouts` (agent ``/run``) and
 :class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`, :class:`ReplayBuffer`
 (atomic checkpoints) and :func:`write_atomic`; :class:`RowReferencer` (media by reference:
@@ -12,13 +14,23 @@ a prompt's inline media stored once, the G rows carry references); toy shaping a
 from __future__ import annotations
 
 from gymbridge.bridge.byref import RowReferencer
-from gymbridge.bridge.iterator import BridgeIterator, BridgeStalledError, BridgeStats, GroupResult, read_rows
+from gymbridge.bridge.config import BridgeConfig
+from gymbridge.bridge.iterator import (
+    BridgeBatch,
+    BridgeIterator,
+    BridgeStalledError,
+    BridgeStats,
+    GroupResult,
+    read_rows,
+)
 from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError
 from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
 from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord, RolloutSource, indexed_rows
 from gymbridge.safe_io import write_atomic
 
 __all__ = [
+    "BridgeBatch",
+    "BridgeConfig",
     "BridgeIterator",
     "BridgeStalledError",
     "BridgeStats",

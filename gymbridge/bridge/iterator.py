@@ -6,7 +6,7 @@ One prompt (dataset row) becomes ``group_size`` rollouts through a
 :func:`~gymbridge.trajectory.from_gym_result`; when a group is complete its trajectories
 become one per-group :class:`~gymbridge.tensors.TrainBatch` (media processed once per
 content key for the whole group by the :class:`~gymbridge.tensors.MediaProcessor`, group
-advantages computed), and ``prompts_per_batch`` groups are concatenated into the batch
+advantages computed), and ``prompts_per_step`` groups are concatenated into the batch
 that is yielded (media re-interned by provenance, group ids ``0..P-1`` in batch order).
 
 Invariants:
@@ -55,9 +55,9 @@ Invariants:
 * **dynamic sampling** (DAPO, Yu et al. 2025, arXiv:2503.14476; ``dynamic_sampling=True``): a
   completed group whose trainable rewards are all equal (zero advantages: no policy-gradient
   signal) is not put in the batch: it is recorded (class ``zero_variance``, its rewards and
-  rollouts; ``stats.groups_zero_variance_dropped``, :attr:`BridgeIterator.last_dropped_zero_variance`)
+  rollouts; ``stats.groups_zero_variance_dropped``, :attr:`BridgeBatch.dropped_zero_variance`)
   and the iterator draws another prompt in its place. At most
-  ``dynamic_sampling_max_rounds x prompts_per_batch`` groups are dropped per batch (that many
+  ``dynamic_sampling_max_rounds x prompts_per_step`` groups are dropped per batch (that many
   extra rounds of prompts); once the budget is spent, further zero-variance groups are trained
   as without dynamic sampling (a warning says so), so a batch never stalls on a task the
   policy always or never solves;
@@ -78,10 +78,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
+from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.errors import BridgeStalledError, TrajectoryError
 
@@ -89,12 +90,20 @@ if TYPE_CHECKING:
     from gymbridge.bridge.replay import ReplayBuffer
     from gymbridge.media import MediaPolicy
     from gymbridge.metrics import PayloadMeter
-    from gymbridge.tensors import AdvantageMode, MediaProcessor, TrainBatch
+    from gymbridge.tensors import MediaProcessor, TrainBatch
     from gymbridge.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BridgeIterator", "BridgeStalledError", "BridgeStats", "GroupResult", "read_rows", "zero_variance"]
+__all__ = [
+    "BridgeBatch",
+    "BridgeIterator",
+    "BridgeStalledError",
+    "BridgeStats",
+    "GroupResult",
+    "read_rows",
+    "zero_variance",
+]
 
 
 @dataclass
@@ -144,6 +153,27 @@ class GroupResult:
     """Policy versions between the oldest turn of the group and the version that consumed it."""
 
 
+@dataclass(frozen=True)
+class BridgeBatch:
+    """One batch and what a training step reports about it (:meth:`BridgeIterator.next_batch`)."""
+
+    batch: TrainBatch
+    groups: list[GroupResult]
+    """The groups in ``batch``, in batch order (rewards, trajectories, partial failures)."""
+    dropped_stale: list[GroupResult]
+    """Groups dropped as ``stale`` while this batch was assembled (each recorded)."""
+    dropped_zero_variance: list[GroupResult]
+    """Zero-variance groups dynamic sampling left out of this batch (each recorded)."""
+    rollouts_ok: int
+    """Rollouts that succeeded while this batch was assembled (those of dropped groups included)."""
+    rollouts_failed: int
+    """Rollouts that failed while this batch was assembled (each recorded)."""
+
+    @property
+    def task_indices(self) -> list[int]:
+        return [g.task_index for g in self.groups]
+
+
 def read_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any] | Exception]:
     """Rows of a jsonl file (lazily, line by line) or of an iterable; a bad line yields its error."""
     if isinstance(source, (str, Path)):
@@ -186,19 +216,17 @@ def _oldest_version(traj: Trajectory) -> int | None:
 
 
 class BridgeIterator:
-    """Iterate ``TrainBatch`` es of ``prompts_per_batch`` groups of ``group_size`` rollouts.
+    """Iterate ``TrainBatch`` es of ``prompts_per_step`` groups of ``group_size`` rollouts.
 
     Args:
         rows: a jsonl path or an iterable of dataset rows (stock Gym row shape).
         source: where rollouts come from (:class:`~gymbridge.bridge.GymRollouts` or
             :class:`~gymbridge.bridge.NativeRollouts`).
         processor: processes each group's media once per content key (``None`` for text-only data).
-        group_size: G, rollouts per prompt.
-        prompts_per_batch: groups per yielded batch.
-        min_group_size: successful rollouts a group needs to be trained on (default G: all).
-        max_consecutive_failed_groups: failed groups in a row before :class:`BridgeStalledError`.
+        config: what is trained and how (:class:`~gymbridge.bridge.BridgeConfig`: group size,
+            groups per batch, failed groups, staleness, dynamic sampling, advantages, dedup).
+        media_policy: what media references may be fetched while postprocessing results.
         failures_path: append every failure record (rollout and group) as one jsonl line.
-        drop_last: drop a final batch with fewer than ``prompts_per_batch`` groups.
         meter: payload metrics (``rollout_to_policy`` here; the source records its own).
         replay: every yielded batch is also pushed into this buffer.
         placeholder_token_ids: media placeholder ids a rollout must never *generate* (default: the
@@ -206,12 +234,7 @@ class BridgeIterator:
         reward_fn: reward shaping (length penalty, format bonus, ...): the trained reward becomes
             ``reward_fn(trajectory)``; the environment's stays in ``metadata["env_reward"]`` and the
             difference is the ``"shaping"`` reward component. A non-finite value fails the rollout.
-        max_staleness: ``k``: groups of the next ``k`` batches run ahead; a group more than ``k``
-            policy versions old when its batch is asked for is dropped as ``stale`` (module docstring).
         skip_task_indices: rows never to start (a resumed run's :attr:`done_task_indices`).
-        drop_stale: drop groups over the bound (default); ``False``: pass them on (module docstring).
-        dynamic_sampling: leave zero-variance groups out and draw more prompts (module docstring).
-        dynamic_sampling_max_rounds: extra rounds of ``prompts_per_batch`` prompts a batch may draw.
     """
 
     def __init__(
@@ -219,54 +242,21 @@ class BridgeIterator:
         rows: str | Path | Iterable[Mapping[str, Any]],
         source: RolloutSource,
         processor: MediaProcessor | None,
+        config: BridgeConfig | None = None,
         *,
-        group_size: int,
-        prompts_per_batch: int = 1,
-        min_group_size: int | None = None,
-        max_consecutive_failed_groups: int = 8,
-        dedup: bool = True,
-        advantage: AdvantageMode = "group_norm",
-        on_noncontiguous: Literal["error", "split"] = "error",
-        reward_components_check: Literal["sum", "off"] = "off",
         media_policy: MediaPolicy | None = None,
         failures_path: str | Path | None = None,
-        drop_last: bool = False,
         meter: PayloadMeter | None = None,
         replay: ReplayBuffer | None = None,
         placeholder_token_ids: Iterable[int] | None = None,
         reward_fn: Callable[[Trajectory], float] | None = None,
-        max_staleness: int = 0,
         skip_task_indices: Iterable[int] = (),
-        drop_stale: bool = True,
-        dynamic_sampling: bool = False,
-        dynamic_sampling_max_rounds: int = 2,
     ) -> None:
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {group_size}")
-        if prompts_per_batch < 1:
-            raise ValueError(f"prompts_per_batch must be >= 1, got {prompts_per_batch}")
-        min_group_size = group_size if min_group_size is None else min_group_size
-        if not 1 <= min_group_size <= group_size:
-            raise ValueError(f"min_group_size must be in [1, {group_size}], got {min_group_size}")
-        if max_consecutive_failed_groups < 1:
-            raise ValueError("max_consecutive_failed_groups must be >= 1")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        if dynamic_sampling_max_rounds < 0:
-            raise ValueError(f"dynamic_sampling_max_rounds must be >= 0, got {dynamic_sampling_max_rounds}")
+        self.config = config if config is not None else BridgeConfig()
         self.source = source
         self.processor = processor
-        self.group_size = group_size
-        self.prompts_per_batch = prompts_per_batch
-        self.min_group_size = min_group_size
-        self.max_consecutive_failed_groups = max_consecutive_failed_groups
-        self.dedup = dedup
-        self.advantage: AdvantageMode = advantage
-        self.on_noncontiguous: Literal["error", "split"] = on_noncontiguous
-        self.reward_components_check: Literal["sum", "off"] = reward_components_check
         self.media_policy = media_policy
         self.failures_path = Path(failures_path) if failures_path is not None else None
-        self.drop_last = drop_last
         self.meter = meter
         self.replay = replay
         if placeholder_token_ids is None and processor is not None:
@@ -274,23 +264,13 @@ class BridgeIterator:
             placeholder_token_ids = [t for t in found if t is not None]
         self.placeholder_token_ids: frozenset[int] = frozenset(placeholder_token_ids or ())
         self.reward_fn = reward_fn
-        self.max_staleness = max_staleness
-        self.drop_stale = drop_stale
-        self.dynamic_sampling = dynamic_sampling
-        self.dynamic_sampling_max_rounds = dynamic_sampling_max_rounds
         self.policy_version = 0
-        """The trainer's policy version: set it before asking for a batch (staleness is measured from it)."""
+        """The trainer's policy version (:meth:`next_batch` sets it; staleness is measured from it)."""
         self.done_task_indices: set[int] = set()
         """Rows whose group was consumed: trained, failed or dropped (a resume skips them)."""
         self._skip = frozenset(skip_task_indices)
         self.stats = BridgeStats()
         self.failures: list[dict[str, Any]] = []
-        self.last_groups: list[GroupResult] = []
-        """The groups of the most recently yielded batch (rewards, trajectories, partial failures)."""
-        self.last_dropped_stale: list[GroupResult] = []
-        """The groups dropped as ``stale`` while the most recent batch was assembled."""
-        self.last_dropped_zero_variance: list[GroupResult] = []
-        """The zero-variance groups dynamic sampling left out of the most recent batch."""
         self._rows = enumerate(read_rows(rows))
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
@@ -342,8 +322,8 @@ class BridgeIterator:
             traj = from_gym_result(
                 rec.result,
                 media_policy=self.media_policy,
-                on_noncontiguous=self.on_noncontiguous,
-                reward_components_check=self.reward_components_check,
+                on_noncontiguous=self.config.on_noncontiguous,
+                reward_components_check=self.config.reward_components_check,
             )
         except Exception as exc:  # any failure to read one result is that rollout's, not the batch's
             where = (
@@ -423,19 +403,21 @@ class BridgeIterator:
         failures: list[dict[str, Any]] = []
         trajs: list[Trajectory] = []
         if isinstance(row, Exception):
-            for i in range(self.group_size):
+            for i in range(self.config.group_size):
                 failures.append(self._rollout_failure(task_index, i, "bad_row", str(row), 0))
         else:
             try:
-                records = await self.source.rollouts(row, task_index=task_index, group_size=self.group_size)
+                records = await self.source.rollouts(
+                    row, task_index=task_index, group_size=self.config.group_size
+                )
             except Exception as exc:  # a source bug or a setup failure: still data for this prompt
                 records = [
                     RolloutRecord(task_index, i, failure_class=type(exc).__name__, failure_reason=str(exc))
-                    for i in range(self.group_size)
+                    for i in range(self.config.group_size)
                 ]
-            if len(records) != self.group_size:
+            if len(records) != self.config.group_size:
                 raise RuntimeError(
-                    f"rollout source returned {len(records)} records for a group of {self.group_size}"
+                    f"rollout source returned {len(records)} records for a group of {self.config.group_size}"
                 )
             for rec in records:
                 out = self._postprocess(rec)
@@ -445,7 +427,7 @@ class BridgeIterator:
                     trajs.append(out)
         batch: TrainBatch | None = None
         reason: str | None = None
-        if len(trajs) >= self.min_group_size:
+        if len(trajs) >= self.config.min_group:
             try:
                 batch = self._build(trajs)
             except Exception as exc:
@@ -469,15 +451,15 @@ class BridgeIterator:
                     else:
                         good.append(traj)
                 trajs = good
-                if len(trajs) >= self.min_group_size:
+                if len(trajs) >= self.config.min_group:
                     try:
                         batch = self._build(trajs)
                     except Exception as again:  # fails only together: give up
                         reason = f"building the group's batch failed: {type(again).__name__}: {again}"
         if batch is None and reason is None:
             reason = (
-                f"only {len(trajs)} of {self.group_size} rollouts succeeded "
-                f"(min_group_size={self.min_group_size})"
+                f"only {len(trajs)} of {self.config.group_size} rollouts succeeded "
+                f"(min_group_size={self.config.min_group})"
             )
         rewards = [t.reward for t in trajs]
         if batch is None:
@@ -487,7 +469,7 @@ class BridgeIterator:
                 "kind": "group",
                 "task_index": task_index,
                 "succeeded": len(trajs),
-                "group_size": self.group_size,
+                "group_size": self.config.group_size,
                 "failure_class": "group_failed",
                 "failure_reason": reason,
                 "rollout_failure_classes": dict(classes),
@@ -504,7 +486,11 @@ class BridgeIterator:
         from gymbridge.tensors import TrainBatch
 
         return TrainBatch.from_trajectories(
-            trajs, self.processor, group_size=len(trajs), dedup=self.dedup, advantage=self.advantage
+            trajs,
+            self.processor,
+            group_size=len(trajs),
+            dedup=self.config.dedup,
+            advantage=self.config.advantage,
         )
 
     # ------------------------------------------------------------------ iteration
@@ -538,7 +524,7 @@ class BridgeIterator:
     def _drop_stale(self, group: GroupResult) -> None:
         """Record a group too old to train: each rollout as ``stale``, then the group (never silent)."""
         self.stats.groups_dropped_stale += 1
-        k = self.max_staleness
+        k = self.config.max_staleness
         for traj in group.trajectories:
             version = _oldest_version(traj)
             oldest = group.started_version if version is None else version
@@ -564,7 +550,7 @@ class BridgeIterator:
                 "kind": "group",
                 "task_index": group.task_index,
                 "succeeded": len(group.trajectories),
-                "group_size": self.group_size,
+                "group_size": self.config.group_size,
                 "failure_class": "stale",
                 "failure_reason": (
                     f"{group.staleness} policy versions old when its batch was asked for "
@@ -581,15 +567,28 @@ class BridgeIterator:
         return self
 
     async def __anext__(self) -> TrainBatch:
+        return (await self.next_batch()).batch
+
+    async def next_batch(self, policy_version: int | None = None) -> BridgeBatch:
+        """The next batch with what a training step reports about it (:class:`BridgeBatch`).
+
+        ``policy_version``: the trainer's version now (staleness is measured from it); ``None``
+        keeps the current :attr:`policy_version`. Raises ``StopAsyncIteration`` when the data
+        ran out, :class:`BridgeStalledError` when too many groups failed in a row.
+        """
+        if policy_version is not None:
+            self.policy_version = policy_version
         if self._closed:
             raise StopAsyncIteration
+        ok_before, failed_before = self.stats.rollouts_ok, self.stats.rollouts_failed
         groups: list[GroupResult] = []
-        self.last_dropped_stale = []
-        self.last_dropped_zero_variance = []
-        zero_variance_budget = self.dynamic_sampling_max_rounds * self.prompts_per_batch
-        ahead = self.max_staleness * self.prompts_per_batch
-        while len(groups) < self.prompts_per_batch:
-            self._start_more(self.prompts_per_batch - len(groups) + ahead)
+        dropped_stale: list[GroupResult] = []
+        dropped_zero_variance: list[GroupResult] = []
+        per_batch = self.config.prompts_per_step
+        zero_variance_budget = self.config.dynamic_sampling_max_rounds * per_batch
+        ahead = self.config.max_staleness * per_batch
+        while len(groups) < per_batch:
+            self._start_more(per_batch - len(groups) + ahead)
             if not self._pending:
                 break
             task = self._pending.popleft()
@@ -600,9 +599,9 @@ class BridgeIterator:
             self.done_task_indices.add(result.task_index)
             if result.batch is not None:
                 result = replace(result, staleness=self._staleness(result))
-                if result.staleness > self.max_staleness and self.drop_stale:
+                if result.staleness > self.config.max_staleness and self.config.drop_stale:
                     self._drop_stale(result)
-                    self.last_dropped_stale.append(result)
+                    dropped_stale.append(result)
                     continue
             if result.batch is None:
                 self.stats.groups_failed += 1
@@ -610,38 +609,38 @@ class BridgeIterator:
                 logger.warning(
                     "group of task %d failed: %s", result.task_index, result.failures[-1]["failure_reason"]
                 )
-                if self._consecutive_failed >= self.max_consecutive_failed_groups:
+                if self._consecutive_failed >= self.config.max_consecutive_failed_groups:
                     for done in groups:  # completed but never yielded: recorded, not lost
                         self._drop_group(done, "bridge_stopped", "the iterator stalled before its batch")
                     await self.aclose()
                     raise BridgeStalledError(
                         f"{self._consecutive_failed} consecutive groups failed "
-                        f"(max_consecutive_failed_groups={self.max_consecutive_failed_groups}); "
+                        f"(max_consecutive_failed_groups={self.config.max_consecutive_failed_groups}); "
                         f"last: {result.failures[-1]['failure_reason']}; "
                         f"rollout failures by class: {self.stats.failure_classes}",
-                        failures=self.failures[-4 * self.group_size :],
+                        failures=self.failures[-4 * self.config.group_size :],
                     )
                 continue
             self._consecutive_failed = 0
-            if self.dynamic_sampling and zero_variance(result):
-                if len(self.last_dropped_zero_variance) < zero_variance_budget:
+            if self.config.dynamic_sampling and zero_variance(result):
+                if len(dropped_zero_variance) < zero_variance_budget:
                     self._drop_zero_variance(result)
-                    self.last_dropped_zero_variance.append(result)
+                    dropped_zero_variance.append(result)
                     continue  # the next pass of the loop starts a prompt in its place
                 logger.warning(
                     "dynamic sampling: %d zero-variance group(s) dropped for this batch "
                     "(dynamic_sampling_max_rounds=%d); training the zero-variance group of task %d",
-                    len(self.last_dropped_zero_variance),
-                    self.dynamic_sampling_max_rounds,
+                    len(dropped_zero_variance),
+                    self.config.dynamic_sampling_max_rounds,
                     result.task_index,
                 )
             self.stats.groups_completed += 1
-            if len(result.trajectories) < self.group_size:
+            if len(result.trajectories) < self.config.group_size:
                 self.stats.groups_partial += 1
             if zero_variance(result):
                 self.stats.groups_zero_variance += 1
             groups.append(result)
-        if not groups or (self.drop_last and len(groups) < self.prompts_per_batch):
+        if not groups or (self.config.drop_last and len(groups) < per_batch):
             for dropped in groups:
                 self._drop_group(dropped)  # before aclose: the record goes to the failures file
             await self.aclose()
@@ -652,17 +651,23 @@ class BridgeIterator:
                     "the dataset ended without a single completed group "
                     f"({self.stats.groups_failed} failed); "
                     f"rollout failures by class: {self.stats.failure_classes}",
-                    failures=self.failures[-4 * self.group_size :],
+                    failures=self.failures[-4 * self.config.group_size :],
                 )
             raise StopAsyncIteration
         batch = self._assemble(groups)
-        self.last_groups = groups
         self.stats.batches += 1
         if self.meter is not None:
             self.meter.record("rollout_to_policy", batch)
         if self.replay is not None:
             self.replay.push(batch)
-        return batch
+        return BridgeBatch(
+            batch=batch,
+            groups=groups,
+            dropped_stale=dropped_stale,
+            dropped_zero_variance=dropped_zero_variance,
+            rollouts_ok=self.stats.rollouts_ok - ok_before,
+            rollouts_failed=self.stats.rollouts_failed - failed_before,
+        )
 
     def _drop_zero_variance(self, group: GroupResult) -> None:
         """Record a zero-variance group dynamic sampling leaves out (its rollouts listed, never silent)."""
@@ -674,7 +679,7 @@ class BridgeIterator:
                 "kind": "group",
                 "task_index": group.task_index,
                 "succeeded": len(group.trajectories),
-                "group_size": self.group_size,
+                "group_size": self.config.group_size,
                 "failure_class": "zero_variance",
                 "failure_reason": (
                     f"every trainable reward is {rewards[0] if rewards else None}: zero advantages, no "
@@ -704,14 +709,16 @@ class BridgeIterator:
         self.stats.groups_dropped += 1
         self.stats.rollouts_dropped += len(group.trajectories)
         if reason is None:
-            reason = f"final partial batch ({self.prompts_per_batch} groups per batch) dropped by drop_last"
+            reason = (
+                f"final partial batch ({self.config.prompts_per_step} groups per batch) dropped by drop_last"
+            )
         logger.warning("%s: discarding the completed group of task %d", failure_class, group.task_index)
         self._record(
             {
                 "kind": "group",
                 "task_index": group.task_index,
                 "succeeded": len(group.trajectories),
-                "group_size": self.group_size,
+                "group_size": self.config.group_size,
                 "failure_class": failure_class,
                 "failure_reason": reason,
                 "rollout_failure_classes": {},
@@ -744,7 +751,7 @@ class BridgeIterator:
                 "kind": "group",
                 "task_index": task_index,
                 "succeeded": 0,
-                "group_size": self.group_size,
+                "group_size": self.config.group_size,
                 "failure_class": "bridge_stopped",
                 "failure_reason": reason,
                 "rollout_failure_classes": {},

@@ -47,9 +47,9 @@ __all__ = [
 
 
 class ShapingConfig(StrictModel):
-    """A launcher's ``shaping:`` section (``kind: none`` turns shaping off)."""
+    """A run's ``shaping:`` section (off by default; ``kind: token_rate`` turns the toy shaping on)."""
 
-    kind: Literal["none", "token_rate"] = "token_rate"
+    kind: Literal["none", "token_rate"] = "none"
     tokens: str = Field("0123456789", min_length=1)
     """``token_rate``: a generated token counts when its text is non-empty and uses only these characters."""
     weight: float = 1.0

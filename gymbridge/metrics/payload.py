@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gymbridge.media.store import parse_media_ref
-from gymbridge.tensors.batch import PackedBatch, TrainBatch
+from gymbridge.tensors.batch import TrainBatch
 from gymbridge.tensors.packed import PackedTensor
 
 MediaSize = Callable[[str], int | None]
@@ -92,7 +92,7 @@ def _packed_tensors(obj: Any, seen: set[int]) -> Iterable[PackedTensor]:
     seen.add(id(obj))
     if isinstance(obj, PackedTensor):
         yield obj
-    elif isinstance(obj, TrainBatch | PackedBatch):
+    elif isinstance(obj, TrainBatch):
         for value in obj.media.values():
             yield from _packed_tensors(value, seen)
     elif isinstance(obj, Mapping):
@@ -169,7 +169,7 @@ def payload_stats(
 ) -> PayloadStats:
     """Serialise ``obj`` (pickle protocol 5, out-of-band buffers counted) and count its media bytes.
 
-    Media found anywhere in ``obj`` (``PackedTensor``, ``TrainBatch``/``PackedBatch`` media,
+    Media found anywhere in ``obj`` (``PackedTensor``, ``TrainBatch`` media,
     media strings in JSON, inside dicts / lists / tuples) are summed; a segment shared by two
     containers in ``obj`` is counted once per container (each ships its own copy). A media
     reference's bytes count as physical once per key in ``sent_keys`` (which this call

@@ -32,7 +32,7 @@ the generator's input then keeps only the media of the first model call's prompt
 that arrive later (a tool's image) are withheld from it, their placeholder tokens (the
 given ids, e.g. ``HFGenerator.suppressed_token_ids``) removed, while the rollout's recorded
 turns (what the trainer trains on) still hold them. A policy whose decision depends on a
-later image cannot learn under it (the launcher's ``withhold_later_media``).
+later image cannot learn under it (a run's ``rollout.withhold_later_media``).
 
 Every HTTP call to the environment has a deadline (``timeout_s``); environment
 failures surface as ``EnvError`` subclasses (an environment that lost the session:

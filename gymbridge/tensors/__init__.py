@@ -6,7 +6,7 @@ Media of a GRPO group exist once from G-expansion to the DP shards; see
 
 from __future__ import annotations
 
-from gymbridge.tensors.batch import AdvantageMode, PackedBatch, TrainBatch, group_advantages
+from gymbridge.tensors.batch import AdvantageMode, TrainBatch, group_advantages
 from gymbridge.tensors.packed import IndexLike, PackedTensor, derive_provenance, new_provenance
 from gymbridge.tensors.processor import MediaLike, MediaProcessor, ProcessedMedia, ProcessorStats
 
@@ -15,7 +15,6 @@ __all__ = [
     "IndexLike",
     "MediaLike",
     "MediaProcessor",
-    "PackedBatch",
     "PackedTensor",
     "ProcessedMedia",
     "ProcessorStats",

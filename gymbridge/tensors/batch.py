@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdvantageMode", "PackedBatch", "TrainBatch", "group_advantages"]
+__all__ = ["AdvantageMode", "TrainBatch", "group_advantages"]
 
 AdvantageMode = Literal["group_norm", "group_mean", "none"]
 
@@ -428,62 +428,6 @@ class TrainBatch:
         ordered = sorted((sorted(b) for b in bins), key=lambda b: b[0])
         return [self.select(b).trim() for b in ordered]
 
-    def pack(self, max_len: int) -> PackedBatch:
-        """Sequence packing: rows into bins of ``max_len`` tokens (first-fit decreasing).
-
-        Media follow their rows: ``PackedBatch.media`` has one row per packed sequence in
-        packed order, and bin ``b`` owns rows ``bin_offsets[b]:bin_offsets[b+1]``.
-        """
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
-        lengths = self.lengths
-        if len(self) and int(lengths.max()) > max_len:
-            worst = int(lengths.argmax())
-            raise ValueError(f"row {worst} has {int(lengths[worst])} tokens, over max_len={max_len}")
-        bins = _first_fit_decreasing([int(n) for n in lengths.tolist()], max_len)
-        row_index = torch.tensor([i for b in bins for i in b], dtype=torch.int64)
-        seq_lens = lengths[row_index]
-        bin_sizes = torch.tensor([len(b) for b in bins], dtype=torch.int64)
-        bin_offsets = torch.zeros(len(bins) + 1, dtype=torch.int64)
-        torch.cumsum(bin_sizes, 0, out=bin_offsets[1:])
-        # Destination of every real token: bin * max_len + start-in-bin + position-in-row.
-        bin_of_row = torch.repeat_interleave(torch.arange(len(bins), dtype=torch.int64), bin_sizes)
-        ends = torch.cumsum(seq_lens, 0)
-        row_starts = ends - seq_lens
-        bin_first = row_starts[bin_offsets[:-1]] if len(bins) else torch.zeros(0, dtype=torch.int64)
-        start_in_bin = row_starts - bin_first[bin_of_row]
-        total = int(seq_lens.sum())
-        pos_in_row = torch.arange(total, dtype=torch.int64) - torch.repeat_interleave(row_starts, seq_lens)
-        dest = torch.repeat_interleave(bin_of_row * max_len + start_in_bin, seq_lens) + pos_in_row
-        valid = self.attention_mask[row_index].bool()
-
-        def scatter(src: torch.Tensor, fill: float, dtype: torch.dtype) -> torch.Tensor:
-            flat = torch.full((len(bins) * max_len,), fill, dtype=dtype)
-            flat[dest] = src[row_index][valid].to(dtype)
-            return flat.reshape(len(bins), max_len)
-
-        adv_tok = self.advantages[row_index, None].expand(-1, self.seq_len)
-        seq_tok = torch.arange(row_index.numel(), dtype=torch.int64)[:, None].expand(-1, self.seq_len)
-        flat_adv = torch.zeros(len(bins) * max_len, dtype=torch.float32)
-        flat_adv[dest] = adv_tok[valid]
-        flat_pos = torch.full((len(bins) * max_len,), 0, dtype=torch.int64)
-        flat_pos[dest] = pos_in_row
-        flat_seq = torch.full((len(bins) * max_len,), -1, dtype=torch.int64)
-        flat_seq[dest] = seq_tok[valid]
-        return PackedBatch(
-            input_ids=scatter(self.input_ids, self.pad_token_id, torch.int64),
-            loss_mask=scatter(self.loss_mask, 0.0, torch.float32),
-            logprobs=scatter(self.logprobs, 0.0, torch.float32),
-            advantages=flat_adv.reshape(len(bins), max_len),
-            position_ids=flat_pos.reshape(len(bins), max_len),
-            sequence_ids=flat_seq.reshape(len(bins), max_len),
-            seq_lens=seq_lens,
-            row_index=row_index,
-            bin_offsets=bin_offsets,
-            media={k: v.select(row_index) for k, v in self.media.items()},
-            pad_token_id=self.pad_token_id,
-        )
-
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TrainBatch:
         """A new batch on ``device`` (token tensors and media segments; media provenance kept)."""
         kw = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _ROW_TENSORS}
@@ -516,55 +460,6 @@ class TrainBatch:
     def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         state = _dataclass_state(self, protocol.__index__())
         return (_rebuild_dataclass, (TrainBatch, state))
-
-
-@dataclass(frozen=True, eq=False, repr=False)
-class PackedBatch:
-    """Packed sequences (``TrainBatch.pack``): ``N`` bins of ``max_len`` tokens.
-
-    ``input_ids``/``loss_mask``/``logprobs``/``advantages`` (per token)/``position_ids``
-    (restarting at 0 for each sequence) are ``[N, max_len]``; ``sequence_ids`` ``[N, max_len]``
-    names the packed sequence of each token (-1 on padding); ``seq_lens``, ``row_index``
-    (the ``TrainBatch`` row of each sequence) are ``[S]`` in packed order; ``bin_offsets``
-    ``[N+1]`` is CSR over sequences; ``media`` has one row per sequence, in packed order.
-    """
-
-    input_ids: torch.Tensor
-    loss_mask: torch.Tensor
-    logprobs: torch.Tensor
-    advantages: torch.Tensor
-    position_ids: torch.Tensor
-    sequence_ids: torch.Tensor
-    seq_lens: torch.Tensor
-    row_index: torch.Tensor
-    bin_offsets: torch.Tensor
-    media: dict[str, PackedTensor]
-    pad_token_id: int = 0
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    def bin_media(self, b: int) -> dict[str, PackedTensor]:
-        """The media of bin ``b`` (its sequences' rows, in order)."""
-        lo, hi = int(self.bin_offsets[b]), int(self.bin_offsets[b + 1])
-        return {k: v.select(slice(lo, hi)) for k, v in self.media.items()}
-
-    def cu_seqlens(self, b: int) -> torch.Tensor:
-        """Cumulative sequence lengths of bin ``b``, int32 ``[k+1]`` (flash-attention varlen style)."""
-        lo, hi = int(self.bin_offsets[b]), int(self.bin_offsets[b + 1])
-        out = torch.zeros(hi - lo + 1, dtype=torch.int32)
-        out[1:] = torch.cumsum(self.seq_lens[lo:hi], 0)
-        return out
-
-    def __repr__(self) -> str:
-        return (
-            f"PackedBatch(bins={len(self)}, max_len={self.input_ids.shape[1]}, "
-            f"sequences={self.seq_lens.numel()}, tokens={int(self.seq_lens.sum())})"
-        )
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
-        state = _dataclass_state(self, protocol.__index__())
-        return (_rebuild_dataclass, (PackedBatch, state))
 
 
 def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

@@ -3,12 +3,13 @@
 Public API (stable): :class:`GRPOTrainer`, :class:`GRPOConfig`, :class:`StepMetrics`,
 :func:`token_logprobs`, :func:`grpo_token_loss`, :class:`RayDPTrainer`, :func:`init_ray`,
 :func:`param_digest`, :func:`tiny_policy`; weight publication: :class:`WeightPublisher`,
-:class:`InProcessPublisher`, :class:`DistributedPublisher`; the loop's pieces: :func:`train_step`
-(one step: batch, update, weight publication), :func:`save_checkpoint` / :func:`load_checkpoint`.
+:class:`InProcessPublisher`, :class:`DistributedPublisher`; checkpoints:
+:func:`save_checkpoint` / :func:`load_checkpoint`.
 Ray is imported only when a :class:`RayDPTrainer` is made.
 
-Invariant: nothing here imports the launchers (:mod:`gymbridge.launch`: the run directory, the
-generator's placement, ``gymbridge smoke`` / ``train`` / ``collect``); they import the trainer.
+Invariant: nothing here imports the bridge or the run (:mod:`gymbridge.run`: the recipe, the run
+directory, the generator's placement); the run imports the trainer. The trainer takes
+:class:`~gymbridge.tensors.TrainBatch` es, from whatever made them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from gymbridge.trainer.grpo import (
     summarize,
     token_logprobs,
 )
-from gymbridge.trainer.loop import LoopStep, train_step
 from gymbridge.trainer.models import from_config, tiny_policy
 from gymbridge.trainer.ray_dp import DPWorker, RayDPTrainer, init_ray, param_digest, require_ray
 from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher, WeightPublisher
@@ -36,7 +36,6 @@ __all__ = [
     "GRPOTrainer",
     "GradientResult",
     "InProcessPublisher",
-    "LoopStep",
     "RayDPTrainer",
     "RunState",
     "StepMetrics",
@@ -52,5 +51,4 @@ __all__ = [
     "summarize",
     "tiny_policy",
     "token_logprobs",
-    "train_step",
 ]

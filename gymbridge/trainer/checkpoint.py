@@ -11,8 +11,7 @@ A checkpoint of step ``s`` (``DIR/checkpoints/``) is
   states and the iterator's position: the dataset rows whose group was consumed
   (``done_task_indices``: trained, failed or dropped). Groups in flight at the checkpoint
   are not in it, so a resumed run starts them again and trains each row once;
-* ``step-<s>.replay``: the replay buffer (:meth:`~gymbridge.bridge.ReplayBuffer.save`), if any;
-* ``latest.json``: ``{"step", "state", "replay"}``, written **last** and atomically, so a
+* ``latest.json``: ``{"step", "state"}``, written **last** and atomically, so a
   crash while a checkpoint is being written leaves ``latest.json`` on the previous one.
   Older checkpoints than the ``keep`` newest are removed after it.
 
@@ -37,13 +36,11 @@ from gymbridge.errors import CheckpointError
 from gymbridge.safe_io import load_state, save_state, write_atomic
 
 if TYPE_CHECKING:
-    from gymbridge.bridge import ReplayBuffer
-    from gymbridge.metrics import PayloadMeter
     from gymbridge.trainer.grpo import GRPOTrainer
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunState", "load_checkpoint", "save_checkpoint"]
+__all__ = ["RunState", "latest_step", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "gymbridge-run-checkpoint/1"
 LATEST = "latest.json"
@@ -134,7 +131,6 @@ def save_checkpoint(
     policy_version: int,
     trainer: GRPOTrainer,
     done_task_indices: Iterable[int],
-    replay: ReplayBuffer | None = None,
     keep: int = 2,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``directory``; returns the ``.ckpt`` path."""
@@ -157,17 +153,11 @@ def save_checkpoint(
     }
     ckpt = root / f"{name}.ckpt"
     save_state(ckpt, {**tensors, **optim_tensors, **rng_tensors}, meta)
-    replay_name: str | None = None
-    if replay is not None:
-        replay_name = f"{name}.replay"
-        replay.save(root / replay_name)
-    latest = {"format": FORMAT, "step": step, "state": ckpt.name, "replay": replay_name}
+    latest = {"format": FORMAT, "step": step, "state": ckpt.name}
     write_atomic(root / LATEST, [orjson.dumps(latest)])
     for old in sorted(root.glob("step-*.ckpt"))[:-keep] if keep > 0 else []:
-        stem = old.name.removesuffix(".ckpt")
-        if stem != name:
+        if old.name != ckpt.name:
             old.unlink(missing_ok=True)
-            (root / f"{stem}.replay").unlink(missing_ok=True)
     logger.debug("checkpoint of step %d -> %s", step, ckpt)
     return ckpt
 
@@ -189,25 +179,27 @@ def _latest(root: Path) -> dict[str, Any] | None:
         and latest.get("format") == FORMAT
         and isinstance(latest.get("step"), int)
         and isinstance(latest.get("state"), str)
-        and isinstance(latest.get("replay"), (str, type(None)))
     )
     if not ok:
         raise CheckpointError(path, f"not a {FORMAT} pointer: {raw[:200]!r}")
     assert isinstance(latest, dict)
-    for key in ("state", "replay"):  # plain file names inside the checkpoints folder, nothing else
-        value = latest[key]
-        if value is not None and (Path(value).name != value or value.startswith(".")):
-            raise CheckpointError(path, f"{key} {value!r} is not a file name in {root}")
+    value = latest["state"]  # a plain file name inside the checkpoints folder, nothing else
+    if Path(value).name != value or value.startswith("."):
+        raise CheckpointError(path, f"state {value!r} is not a file name in {root}")
     return dict(latest)
 
 
-def load_checkpoint(
-    directory: str | Path, *, trainer: GRPOTrainer, meter: PayloadMeter | None = None
-) -> tuple[RunState, ReplayBuffer | None] | None:
-    """Restore the latest checkpoint under ``directory`` into ``trainer`` (weights, optimizer) and
-    the process RNGs; returns the run state and the replay buffer, or ``None`` if there is none."""
-    from gymbridge.bridge import ReplayBuffer
+def latest_step(directory: str | Path) -> int | None:
+    """The step of the newest checkpoint under ``directory`` (its ``latest.json``), ``None`` when there
+    is none; a pointer that is not one is a :class:`~gymbridge.errors.CheckpointError`. The
+    checkpoint itself is checked when it is loaded."""
+    latest = _latest(Path(directory))
+    return None if latest is None else int(latest["step"])
 
+
+def load_checkpoint(directory: str | Path, *, trainer: GRPOTrainer) -> RunState | None:
+    """Restore the latest checkpoint under ``directory`` into ``trainer`` (weights, optimizer) and
+    the process RNGs; returns the run state, or ``None`` if there is none."""
     root = Path(directory)
     latest = _latest(root)
     if latest is None:
@@ -241,8 +233,5 @@ def load_checkpoint(
     _load_optimizer(ckpt, trainer.optimizer, tensors, optim_meta)
     _set_rng_state(ckpt, tensors, rng_meta)
     trainer.steps = trainer_steps
-    replay = None
-    if latest["replay"] is not None:
-        replay = ReplayBuffer.load(root / latest["replay"], meter=meter)
     logger.info("resumed from %s (step %d, policy version %d, %d rows done)", ckpt, step, version, len(done))
-    return RunState(step, version, done, ckpt), replay
+    return RunState(step, version, done, ckpt)

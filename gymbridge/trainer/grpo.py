@@ -26,7 +26,7 @@ gradients of micro-batches and DP shards **sum** to the full-batch gradient in e
 
 **KL to a frozen reference.** ``kl_coef > 0``: at construction the trainer keeps a frozen
 copy of the policy (:attr:`GRPOTrainer.reference`; never updated, no gradients;
-:meth:`GRPOTrainer.freeze_reference` re-takes it, which the launcher does after its format
+:meth:`GRPOTrainer.freeze_reference` re-takes it, which a run does after its format
 warm-up). The reference logprob ``ref`` of each token comes from the same function as ``new``
 (same temperature, media mask and nucleus), and with ``r = ref - new`` the per-token term is
 Schulman's estimator (http://joschu.net/blog/kl-approx.html) of ``KL(pi_theta || pi_ref)``:
@@ -116,16 +116,17 @@ Invariants:
   aggregation*), and ``mask_truncated`` is applied before the batch is split;
 * the reference policy (``kl_coef > 0``) is never updated: no optimizer holds its
   parameters and they do not require gradients;
-* a batch without a single loss token (every row ``mask_sample``, or empty) changes nothing:
-  the optimizer is not stepped (AdamW momentum / weight decay would still move the weights)
-  and ``steps`` does not advance;
+* a batch without a single loss token (every row ``mask_sample``, or empty), or whose loss rows
+  all have advantage 0 with no KL term, changes nothing: the optimizer is not stepped (AdamW
+  momentum / weight decay would still move the weights), ``steps`` does not advance and
+  ``StepMetrics.skipped`` says why (:func:`skip_reason`);
 * the model runs in eval mode (no dropout), so the ratio is 1 when the weights have not
   changed since generation; the optimizer and model are this trainer's own.
 
 **Drift guard.** Every step reports ``ratio_mean`` and ``ratio_max_abs_log``: the mean
 importance ratio and the largest ``|new - old|`` logprob over the loss tokens of the
 *first* micro-batch, computed before any update of this step. In an on-policy run
-(``on_policy=True``; the launcher's ``rollout.max_staleness: 0``) the generator's weights
+(``on_policy=True``; a run's ``bridge.max_staleness: 0``) the generator's weights
 must be the trainer's, so ``ratio_mean`` must be 1 up to numerics: when ``|ratio_mean - 1|``
 exceeds ``GRPOConfig.ratio_tolerance`` the step raises
 :class:`~gymbridge.errors.PolicyDriftError` *before* the optimizer moves (a generator that
@@ -176,6 +177,7 @@ __all__ = [
     "KLEstimator",
     "LRSchedule",
     "LossAgg",
+    "SkipReason",
     "StepMetrics",
     "aggregate_loss",
     "check_sampling",
@@ -185,6 +187,7 @@ __all__ = [
     "loss_rows",
     "media_kwargs",
     "nucleus_logprobs",
+    "skip_reason",
     "token_logprobs",
 ]
 
@@ -192,24 +195,27 @@ __all__ = [
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 LRSchedule = Literal["constant", "linear", "cosine"]
 KLEstimator = Literal["k1", "k3"]
+SkipReason = Literal["no_loss_tokens", "zero_advantage"]
 KL_LOG_RATIO_CLAMP = 20.0
 """``|ref - new|`` bound inside the k3 estimator (``exp(20)`` ~ 5e8: large, never infinite)."""
 
 
 class GRPOConfig(StrictModel):
-    """Trainer settings (YAML: the ``trainer:`` section of a launcher config)."""
+    """Trainer settings (YAML: the ``trainer:`` section of a run config, :class:`gymbridge.run.RunConfig`)."""
 
-    lr: float = Field(1e-5, gt=0, le=1.0, allow_inf_nan=False)
-    """AdamW learning rate: a finite number in (0, 1] (the peak of the schedule below)."""
+    lr: float = Field(1e-6, gt=0, le=1.0, allow_inf_nan=False)
+    """AdamW learning rate: a finite number in (0, 1] (the peak of the schedule below). The default
+    is for fine-tuning a pretrained model (TRL's and verl's GRPO examples use 1e-6); the tiny
+    random-weight smoke model trains at 2e-3 (``gymbridge/configs/smoke.yaml``)."""
     lr_warmup_steps: int = Field(0, ge=0)
     """Updates over which the learning rate rises linearly to ``lr`` (update ``k <= W`` uses
     ``lr * k / W``; module docstring, *Learning-rate schedule*). 0: none."""
     lr_schedule: LRSchedule = "constant"
     """After the warm-up: ``constant``, or a ``linear`` / ``cosine`` decay from ``lr`` to
     ``lr_min_ratio * lr`` at update ``lr_decay_steps``."""
-    lr_decay_steps: int = Field(0, ge=0)
+    lr_decay_steps: int | None = Field(None, ge=1)
     """The update at which a decaying schedule reaches its floor (counted from the first update,
-    warm-up included; the launcher's configs set it to the run's ``steps``)."""
+    warm-up included). ``None``: a run (:class:`gymbridge.run.RunConfig`) sets it to its ``steps``."""
     lr_min_ratio: float = Field(0.0, ge=0.0, le=1.0, allow_inf_nan=False)
     """The decay's floor as a fraction of ``lr``."""
     weight_decay: float = 0.0
@@ -245,7 +251,7 @@ class GRPOConfig(StrictModel):
     without the hook falls back to the materialised path (logged; ``StepMetrics.encoder_dedup`` False)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The policy's dtype for training (the launcher builds the trainer's and the in-process
+    """The policy's dtype for training (a run builds the trainer's and the in-process
     generator's models in it); floating media bound for the policy are cast to it before they
     cross to DP workers (:meth:`~gymbridge.tensors.TrainBatch.cast_media`)."""
 
@@ -268,10 +274,10 @@ class GRPOConfig(StrictModel):
 
     @model_validator(mode="after")
     def _decay_has_a_horizon(self) -> GRPOConfig:
-        if self.lr_schedule != "constant" and self.lr_decay_steps == 0:
+        if self.lr_schedule != "constant" and self.lr_decay_steps is None:
             raise ValueError(
                 f"lr_schedule={self.lr_schedule!r} needs lr_decay_steps >= 1: the update at which the "
-                "decay reaches lr_min_ratio * lr (the launcher's configs use the run's steps)"
+                "decay reaches lr_min_ratio * lr (a run sets it to its steps)"
             )
         return self
 
@@ -284,7 +290,7 @@ class GRPOConfig(StrictModel):
             return self.lr * update / warm
         if self.lr_schedule == "constant":
             return self.lr
-        span = self.lr_decay_steps - warm
+        span = (self.lr_decay_steps or warm) - warm
         progress = min(1.0, (update - warm) / span) if span > 0 else 1.0
         shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.lr * (self.lr_min_ratio + (1.0 - self.lr_min_ratio) * shape)
@@ -325,9 +331,9 @@ class StepMetrics:
     ratio_max_abs_log: float = 0.0
     """Largest ``|new - old|`` logprob over those tokens."""
     policy_version: int | None = None
-    """The policy version published after this step (optimizer steps so far); set by the launcher."""
+    """The policy version published after this step (optimizer steps so far); set by the run."""
     weight_sync_s: float = 0.0
-    """Seconds spent publishing this step's weights to the generator; set by the launcher."""
+    """Seconds spent publishing this step's weights to the generator; set by the run."""
     is_capped_fraction: float = 0.0
     """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
     packed_sequences: int = 0
@@ -349,6 +355,8 @@ class StepMetrics:
     """Loss tokens outside the trainer's top-p nucleus (kept with their own mass, module docstring)."""
     lr: float = 0.0
     """The learning rate of this step's update (``GRPOConfig.lr_at``); 0.0 when no update ran."""
+    skipped: SkipReason | None = None
+    """Why the optimizer was not stepped (:func:`skip_reason`); ``None``: it was."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -696,31 +704,61 @@ def hit_token_limit(meta: dict[str, Any]) -> bool:
     return meta.get("incomplete_reason") == "max_output_tokens"
 
 
-def check_sampling(batch: TrainBatch, top_p: float) -> None:
-    """Refuse rows sampled with another ``top_p`` than the trainer's (:class:`SamplingMismatchError`).
+def check_sampling(batch: TrainBatch, top_p: float, temperature: float | None = None) -> None:
+    """Refuse rows sampled otherwise than the trainer scores them (:class:`SamplingMismatchError`).
 
     A row says how it was sampled in ``metadata["sampling"]`` (``temperature``, ``top_p``; see
-    :func:`~gymbridge.trajectory.from_gym_result`); rows that say nothing are not checked, and a
-    greedy row (``temperature == 0``: the generator reports raw logprobs, no nucleus) counts as
-    ``top_p = 1``.
+    :func:`~gymbridge.trajectory.from_gym_result`); rows that say nothing are not checked. A row's
+    ``top_p`` must be the trainer's (a greedy row, ``temperature == 0``, counts as ``top_p = 1``),
+    and with ``temperature`` given, so must its temperature: the ratio of logprobs of two
+    differently scaled distributions is biased whatever the staleness, so a mismatch is refused
+    on-policy and off-policy alike.
     """
     for row, meta in enumerate(batch.metadata):
         sampling = meta.get("sampling")
         if not isinstance(sampling, dict):
             continue
-        row_top_p = sampling.get("top_p")
-        if not isinstance(row_top_p, (int, float)) or isinstance(row_top_p, bool):
-            continue
-        if sampling.get("temperature") == 0:
-            row_top_p = 1.0
-        if not math.isclose(float(row_top_p), top_p, rel_tol=0.0, abs_tol=1e-9):
-            raise SamplingMismatchError(
-                rollout_top_p=float(row_top_p),
-                trainer_top_p=top_p,
-                row=row,
-                task_index=meta.get("task_index"),
-                rollout_index=meta.get("rollout_index"),
-            )
+        row_temperature = _number(sampling.get("temperature"))
+        row_top_p = _number(sampling.get("top_p"))
+        if row_temperature == 0:  # greedy: raw logprobs, no nucleus
+            row_top_p = 1.0 if row_top_p is not None else None
+        for setting, asked, trainer_value in (
+            ("temperature", row_temperature, temperature),
+            ("top_p", row_top_p, top_p),
+        ):
+            if asked is None or trainer_value is None:
+                continue
+            if not math.isclose(asked, trainer_value, rel_tol=1e-6, abs_tol=1e-9):
+                raise SamplingMismatchError(
+                    setting=setting,
+                    rollout_value=asked,
+                    trainer_value=trainer_value,
+                    row=row,
+                    task_index=meta.get("task_index"),
+                    rollout_index=meta.get("rollout_index"),
+                )
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float when it is a number (not a bool), else ``None``."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def skip_reason(batch: TrainBatch, config: GRPOConfig) -> SkipReason | None:
+    """Why an update on ``batch`` would change nothing it should, or ``None`` when it trains.
+
+    ``no_loss_tokens``: every row is masked or empty. ``zero_advantage``: every loss row's advantage
+    is exactly 0 (every group's rewards were equal) and there is no KL term, so the loss gradient is
+    exactly 0. Either way the optimizer must not step: AdamW's momentum and weight decay would still
+    move the weights, the policy version would advance and the generator would get the same weights
+    again. With ``kl_coef > 0`` a zero-advantage batch still trains (the KL term has a gradient).
+    """
+    has_loss = batch.loss_mask.sum(dim=1) > 0
+    if len(batch) == 0 or not bool(has_loss.any()):
+        return "no_loss_tokens"
+    if config.kl_coef == 0 and not bool((batch.advantages[has_loss] != 0).any()):
+        return "zero_advantage"
+    return None
 
 
 class GRPOTrainer:
@@ -755,10 +793,15 @@ class GRPOTrainer:
             self.freeze_reference()
 
     def freeze_reference(self) -> None:
-        """Take (or re-take) the reference policy: a frozen copy of the policy's current weights."""
+        """Take (or re-take) the reference policy: a frozen copy of the policy's current weights.
+
+        The reference is always held in the trainer's dtype (``GRPOConfig.dtype``), whatever the
+        policy's dtype when it is taken (a run freezes it after its fp32 warm-up, before the cast),
+        so a fresh run, a resumed one and every DP worker score the KL against the same numbers.
+        """
         if self.config.kl_coef <= 0:
             raise ValueError("freeze_reference: kl_coef is 0, the trainer keeps no reference policy")
-        ref = copy.deepcopy(self.model)
+        ref = copy.deepcopy(self.model).to(self.config.torch_dtype)
         ref.eval()
         for p in ref.parameters():
             p.requires_grad_(False)
@@ -767,10 +810,10 @@ class GRPOTrainer:
     def prepare(self, batch: TrainBatch) -> tuple[TrainBatch, int]:
         """The whole batch as the loss sees it, before any split: ``(batch, truncated rows masked)``.
 
-        Checks the rows' sampling against ``top_p`` (:func:`check_sampling`) and, with
+        Checks the rows' sampling against ``top_p`` and ``temperature`` (:func:`check_sampling`) and, with
         ``mask_truncated``, zeroes the loss mask of rows that hit the token limit.
         """
-        check_sampling(batch, self.config.top_p)
+        check_sampling(batch, self.config.top_p, self.config.temperature)
         if not self.config.mask_truncated or len(batch) == 0:
             return batch, 0
         hit = torch.tensor([hit_token_limit(m) for m in batch.metadata], dtype=torch.bool)
@@ -914,22 +957,31 @@ class GRPOTrainer:
         """One GRPO update on ``batch``; returns its metrics."""
         started = time.perf_counter()
         batch, truncated = self.prepare(batch)
+        skipped = skip_reason(batch, self.config)
+        if skipped is not None:
+            log_skipped_step(batch, skipped)
+            return summarize(
+                batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated, skipped=skipped
+            )
         res = self.compute_gradients(batch)
-        if res.loss_tokens == 0:
-            log_skipped_step(batch)
-            return summarize(batch, [res], 0.0, time.perf_counter() - started, truncated_masked=truncated)
         self.check_drift(res)
         lr = self.config.lr_at(self.steps + 1)
         norm = self.apply_gradients(res.grads)
         return summarize(batch, [res], norm, time.perf_counter() - started, truncated_masked=truncated, lr=lr)
 
 
-def log_skipped_step(batch: TrainBatch) -> None:
-    """Warn that ``batch`` holds no loss token, so its update is skipped (optimizer untouched)."""
-    logger.warning(
-        "GRPO step skipped: the batch of %d row(s) has no loss token (every row masked or empty); "
-        "the optimizer is not stepped, so momentum and weight decay do not move the weights",
+def log_skipped_step(batch: TrainBatch, reason: SkipReason) -> None:
+    """Say that the update on ``batch`` is skipped (optimizer untouched) and why (:func:`skip_reason`)."""
+    why = (
+        "has no loss token (every row masked or empty)"
+        if reason == "no_loss_tokens"
+        else "has zero advantage on every row (each group's rewards were all equal)"
+    )
+    logger.info(
+        "GRPO step skipped: the batch of %d row(s) %s; the optimizer is not stepped, so momentum and "
+        "weight decay do not move the weights",
         len(batch),
+        why,
     )
 
 
@@ -941,9 +993,12 @@ def summarize(
     *,
     truncated_masked: int = 0,
     lr: float = 0.0,
+    skipped: SkipReason | None = None,
 ) -> StepMetrics:
-    """Step metrics from the gradient results of a batch's parts (``lr``: the update's learning rate)."""
-    tokens = sum(p.loss_tokens for p in parts)
+    """Step metrics from the gradient results of a batch's parts (``lr``: the update's learning rate).
+
+    A skipped step (no parts) still counts the batch's loss tokens; its ratios are 1 (nothing moved)."""
+    tokens = sum(p.loss_tokens for p in parts) if parts else int(batch.loss_mask.sum())
     rows = batch.sample_mask.bool()
     # one reward per trajectory (a split trajectory has several rows sharing it)
     # the drift numbers: the first part holding a loss token (its first micro-batch)
@@ -961,7 +1016,7 @@ def summarize(
         num_loss_tokens=tokens,
         grad_norm=grad_norm,
         clip_fraction=sum(p.clipped_tokens for p in parts) / max(tokens, 1),
-        mean_ratio=sum(p.ratio_sum for p in parts) / max(tokens, 1),
+        mean_ratio=sum(p.ratio_sum for p in parts) / max(tokens, 1) if parts else 1.0,
         approx_kl=sum(p.kl_sum for p in parts) / max(tokens, 1),
         elapsed_s=elapsed_s,
         ratio_mean=lead.first_ratio_mean if lead is not None else 1.0,
@@ -977,4 +1032,5 @@ def summarize(
         truncated_masked=truncated_masked,
         top_p_outside_fraction=sum(p.outside_top_p_tokens for p in parts) / max(tokens, 1),
         lr=lr,
+        skipped=skipped,
     )

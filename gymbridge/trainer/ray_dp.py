@@ -76,6 +76,7 @@ from gymbridge.trainer.grpo import (
     StepMetrics,
     log_skipped_step,
     loss_rows,
+    skip_reason,
     summarize,
 )
 
@@ -106,7 +107,7 @@ def require_ray() -> Any:
 def init_ray(num_cpus: int = 2, *, address: str | None = None) -> Any:
     """Start (or reuse) Ray and return ``ray``.
 
-    ``address`` (``SmokeConfig.ray_address``, e.g. ``"auto"`` or ``"ray://head:10001"``) joins an
+    ``address`` (a run's ``dp.ray_address``, e.g. ``"auto"`` or ``"ray://head:10001"``) joins an
     existing cluster; without it a local Ray starts with ``num_cpus`` CPUs, no dashboard and
     ``RAY_AUTH_MODE=disabled``.
     """
@@ -349,6 +350,12 @@ class RayDPTrainer:
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
         batch, truncated = self.trainer.prepare(batch)  # the whole batch's loss mask, before the split
+        skipped = skip_reason(batch, self.trainer.config)
+        if skipped is not None:  # no learning signal: no worker steps, weights stay identical
+            log_skipped_step(batch, skipped)
+            return summarize(
+                batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated, skipped=skipped
+            )
         shards = policy_shards(batch, self.num_workers, self.dtype)
         self.last_shard_tokens = [s.num_tokens for s in shards]
         self.last_media_dtypes = {
@@ -362,9 +369,6 @@ class RayDPTrainer:
                 self.meter.record("policy_shard", shard, shard=i)
         total = int(batch.loss_mask.sum())
         rows = loss_rows(batch.loss_mask)
-        if total == 0:  # no learning signal: no worker steps, weights stay identical
-            log_skipped_step(batch)
-            return summarize(batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated)
         got = self.ray.get(
             [w.compute.remote(s, total, rows) for w, s in zip(self.workers, shards, strict=True)]
         )

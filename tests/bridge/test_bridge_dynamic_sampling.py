@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from bridge_helpers import FakeAgent, make_rows
 
-from gymbridge.bridge import BridgeIterator, GymRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.tensors import MediaProcessor
 from gymbridge.testing.tiny_vlm import TinyVLM
@@ -28,16 +28,15 @@ def _even_tasks_are_solved_always(task: int, rollout: int) -> float:
 def _dynamic(
     client: GymClient, processor: MediaProcessor, rows: int, rounds: int, **kw: object
 ) -> BridgeIterator:
-    return BridgeIterator(
-        make_rows(rows),
-        GymRollouts(client),
-        processor,
+    config = BridgeConfig(
         group_size=G,
-        prompts_per_batch=2,
+        prompts_per_step=2,
+        min_group_size=None,
+        max_consecutive_failed_groups=8,
         dynamic_sampling=True,
         dynamic_sampling_max_rounds=rounds,
-        **kw,  # type: ignore[arg-type]
     )
+    return BridgeIterator(make_rows(rows), GymRollouts(client), processor, config, **kw)  # type: ignore[arg-type]
 
 
 def _records(path: Path) -> list[dict[str, object]]:
@@ -51,14 +50,13 @@ async def test_zero_variance_groups_are_replaced_by_new_prompts_and_recorded(
     agent = FakeAgent(tiny, _even_tasks_are_solved_always)
     async with _client(agent) as client:
         it = _dynamic(client, processor, 8, 2, failures_path=failures)
-        first = await it.__anext__()
-        dropped_first = [g.task_index for g in it.last_dropped_zero_variance]
-        trained_first = [g.task_index for g in it.last_groups]
+        first = await it.next_batch()
+        dropped_first = [g.task_index for g in first.dropped_zero_variance]
         await it.aclose()
     # tasks 0 and 2 carry no signal: the batch is full with tasks 1 and 3 instead
-    assert trained_first == [1, 3] and dropped_first == [0, 2]
-    assert len(first) == 2 * G
-    assert all(len({t.reward for t in g.trajectories}) > 1 for g in it.last_groups)
+    assert first.task_indices == [1, 3] and dropped_first == [0, 2]
+    assert len(first.batch) == 2 * G
+    assert all(len({t.reward for t in g.trajectories}) > 1 for g in first.groups)
     assert it.stats.groups_zero_variance_dropped == 2
     dropped = [r for r in _records(failures) if r["failure_class"] == "zero_variance"]
     assert [r["task_index"] for r in dropped] == [0, 2]
@@ -77,10 +75,17 @@ async def test_without_dynamic_sampling_zero_variance_groups_are_trained(
 ) -> None:
     agent = FakeAgent(tiny, _even_tasks_are_solved_always)
     async with _client(agent) as client:
-        it = BridgeIterator(make_rows(4), GymRollouts(client), processor, group_size=G, prompts_per_batch=2)
-        await it.__anext__()
+        it = BridgeIterator(
+            make_rows(4),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(
+                group_size=G, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
+            ),
+        )
+        got = await it.next_batch()
         await it.aclose()
-    assert [g.task_index for g in it.last_groups] == [0, 1]
+    assert got.task_indices == [0, 1]
     assert it.stats.groups_zero_variance == 1 and it.stats.groups_zero_variance_dropped == 0
 
 
@@ -91,9 +96,9 @@ async def test_the_extra_rounds_are_bounded_then_zero_variance_groups_fill_the_b
     agent = FakeAgent(tiny, lambda task, rollout: 1.0)  # nothing ever has signal
     async with _client(agent) as client:
         it = _dynamic(client, processor, 10, rounds)
-        batch = await it.__anext__()
+        got = await it.next_batch()
         await it.aclose()
-    # at most rounds x prompts_per_batch groups dropped, then the batch fills (never a stall)
-    assert len(it.last_dropped_zero_variance) == 2 * rounds
-    assert len(batch) == 2 * G and len(it.last_groups) == 2
+    # at most rounds x prompts_per_step groups dropped, then the batch fills (never a stall)
+    assert len(got.dropped_zero_variance) == 2 * rounds
+    assert len(got.batch) == 2 * G and len(got.groups) == 2
     assert len({int(row["_ng_task_index"]) for row in agent.seen}) == 2 + 2 * rounds

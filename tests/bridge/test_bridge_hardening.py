@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from bridge_helpers import FakeAgent, make_rows
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, GymRollouts, RolloutRecord
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts, RolloutRecord
 from gymbridge.client import GymClient
 from gymbridge.limits import MAX_JSON_DEPTH
 from gymbridge.tensors import MediaProcessor
@@ -47,9 +47,7 @@ async def test_regression_bridge_stalled_error_records_completed_and_in_flight_g
         make_rows(12),
         GymRollouts(client),
         processor,
-        group_size=2,
-        prompts_per_batch=4,
-        max_consecutive_failed_groups=2,
+        BridgeConfig(group_size=2, prompts_per_step=4, max_consecutive_failed_groups=2, min_group_size=None),
     )
     with pytest.raises(BridgeStalledError):
         await it.__anext__()
@@ -82,7 +80,12 @@ async def test_closing_the_iterator_records_the_groups_still_in_flight(
     tiny: TinyVLM, processor: MediaProcessor
 ) -> None:
     source = SlowSource(tiny)
-    it = BridgeIterator(make_rows(6), source, processor, group_size=2, prompts_per_batch=3)
+    it = BridgeIterator(
+        make_rows(6),
+        source,
+        processor,
+        BridgeConfig(group_size=2, prompts_per_step=3, min_group_size=None, max_consecutive_failed_groups=8),
+    )
     await it.__anext__()
     it._start_more(3)  # as an async loop would: the next batch's prompts already running
     await asyncio.sleep(0)
@@ -115,7 +118,12 @@ async def test_regression_any_exception_of_a_source_is_recorded_not_raised(
 ) -> None:
     """The iterator caught only gymbridge errors: one such prompt killed the whole run."""
     source = RaisingSource(tiny, bad=1)
-    it = BridgeIterator(make_rows(3), source, processor, group_size=2, prompts_per_batch=1)
+    it = BridgeIterator(
+        make_rows(3),
+        source,
+        processor,
+        BridgeConfig(group_size=2, prompts_per_step=1, min_group_size=None, max_consecutive_failed_groups=8),
+    )
     batches = [b async for b in it]
     assert len(batches) == 2 and it.stats.failure_classes == {"TypeError": 2}
     accounted(it, yielded={0, 2})
@@ -137,7 +145,12 @@ async def test_regression_a_postprocessing_crash_is_that_rollouts_failure(
     monkeypatch.setattr(trajectory, "from_gym_result", flaky)
     agent = FakeAgent(tiny, lambda t, r: float(r))
     client = GymClient("http://agent.test", transport=agent.transport())
-    it = BridgeIterator(make_rows(2), GymRollouts(client), processor, group_size=3, min_group_size=2)
+    it = BridgeIterator(
+        make_rows(2),
+        GymRollouts(client),
+        processor,
+        BridgeConfig(group_size=3, min_group_size=2, prompts_per_step=1, max_consecutive_failed_groups=8),
+    )
     batches = [b async for b in it]
     assert [len(b) for b in batches] == [2, 2]
     assert it.stats.failure_classes == {"RecursionError": 2}
@@ -153,7 +166,12 @@ async def test_regression_a_row_nested_too_deep_is_one_failed_prompt(
     rows[1] = {**rows[1], "extra": deep(600)}
     agent = FakeAgent(tiny, lambda t, r: float(r))
     client = GymClient("http://agent.test", transport=agent.transport())
-    it = BridgeIterator(rows, GymRollouts(client), processor, group_size=2)
+    it = BridgeIterator(
+        rows,
+        GymRollouts(client),
+        processor,
+        BridgeConfig(group_size=2, prompts_per_step=1, min_group_size=None, max_consecutive_failed_groups=8),
+    )
     batches = [b async for b in it]
     assert len(batches) == 2 and it.stats.failure_classes == {"gym_data": 2}
     reasons = {f["failure_reason"] for f in it.failures if f["kind"] == "rollout"}

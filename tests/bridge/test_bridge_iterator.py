@@ -9,7 +9,7 @@ import pytest
 import torch
 from bridge_helpers import FakeAgent, make_rows
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, GymRollouts, ReplayBuffer
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts, ReplayBuffer
 from gymbridge.client import GymClient
 from gymbridge.metrics import PayloadMeter
 from gymbridge.tensors import MediaProcessor
@@ -41,8 +41,9 @@ async def test_groups_become_batches_with_group_advantages(tiny: TinyVLM, proces
             make_rows(4),
             GymRollouts(client, meter=meter),
             processor,
-            group_size=G,
-            prompts_per_batch=2,
+            BridgeConfig(
+                group_size=G, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
+            ),
             meter=meter,
         )
         batches = [b async for b in it]
@@ -74,16 +75,25 @@ async def test_groups_become_batches_with_group_advantages(tiny: TinyVLM, proces
 def test_sync_iteration_and_no_meter_by_default(tiny: TinyVLM, processor: MediaProcessor) -> None:
     agent = FakeAgent(tiny, _alternating)
     client = _client(agent)
-    it = BridgeIterator(make_rows(3), GymRollouts(client), processor, group_size=2, prompts_per_batch=2)
+    it = BridgeIterator(
+        make_rows(3),
+        GymRollouts(client),
+        processor,
+        BridgeConfig(group_size=2, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8),
+    )
     sizes = [len(b) for b in it]
     assert sizes == [4, 2]  # the last, partial batch is yielded (drop_last=False)
     it2 = BridgeIterator(
         make_rows(3),
         GymRollouts(_client(agent)),
         processor,
-        group_size=2,
-        prompts_per_batch=2,
-        drop_last=True,
+        BridgeConfig(
+            group_size=2,
+            prompts_per_step=2,
+            drop_last=True,
+            min_group_size=None,
+            max_consecutive_failed_groups=8,
+        ),
     )
     assert [len(b) for b in it2] == [4]
 
@@ -107,9 +117,7 @@ async def test_failed_rollouts_are_recorded_and_groups_complete_from_survivors(
             make_rows(4),
             GymRollouts(client),
             processor,
-            group_size=G,
-            prompts_per_batch=2,
-            min_group_size=3,
+            BridgeConfig(group_size=G, prompts_per_step=2, min_group_size=3, max_consecutive_failed_groups=8),
             failures_path=failures,
         )
         batches = [b async for b in it]
@@ -147,8 +155,9 @@ async def test_a_dead_agent_raises_instead_of_yielding_empty_batches(
             make_rows(50),
             GymRollouts(client),
             processor,
-            group_size=2,
-            max_consecutive_failed_groups=3,
+            BridgeConfig(
+                group_size=2, max_consecutive_failed_groups=3, prompts_per_step=1, min_group_size=None
+            ),
         )
         with pytest.raises(BridgeStalledError, match="3 consecutive groups failed") as err:
             await it.__anext__()
@@ -164,7 +173,12 @@ async def test_a_dataset_with_no_completed_group_raises(
     agent = FakeAgent(tiny, lambda t, r: 400)
     async with _client(agent) as client:
         it = BridgeIterator(
-            path, GymRollouts(client), processor, group_size=2, max_consecutive_failed_groups=5
+            path,
+            GymRollouts(client),
+            processor,
+            BridgeConfig(
+                group_size=2, max_consecutive_failed_groups=5, prompts_per_step=1, min_group_size=None
+            ),
         )
         with pytest.raises(BridgeStalledError, match="without a single completed group"):
             await it.__anext__()
@@ -178,7 +192,13 @@ async def test_batches_feed_the_replay_buffer(tiny: TinyVLM, processor: MediaPro
     replay = ReplayBuffer(capacity_groups=3)
     async with _client(agent) as client:
         it = BridgeIterator(
-            make_rows(4), GymRollouts(client), processor, group_size=2, prompts_per_batch=2, replay=replay
+            make_rows(4),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(
+                group_size=2, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
+            ),
+            replay=replay,
         )
         _ = [b async for b in it]
     assert len(replay) == 3 and replay.pushed_groups == 4 and replay.evicted_groups == 1
@@ -192,7 +212,12 @@ async def test_regression_sampled_image_placeholder_is_a_recorded_failure(
     "Image features and image tokens do not match". It is now a per-rollout failure."""
     agent = FakeAgent(tiny, lambda t, r: "sampled_pad" if r == 1 else float(r))
     async with _client(agent) as client:
-        it = BridgeIterator(make_rows(1), GymRollouts(client), processor, group_size=3, min_group_size=2)
+        it = BridgeIterator(
+            make_rows(1),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(group_size=3, min_group_size=2, prompts_per_step=1, max_consecutive_failed_groups=8),
+        )
         (batch,) = [b async for b in it]
     assert len(batch) == 2 and [m["rollout_index"] for m in batch.metadata] == [0, 2]
     assert int((batch.input_ids == tiny.image_token_id).sum()) == 2 * 4  # only the prompts' placeholders
@@ -208,7 +233,16 @@ async def test_dedup_off_gives_the_same_tensors_with_one_segment_per_row(
     for dedup in (True, False):
         async with _client(FakeAgent(tiny, _alternating)) as client:
             it = BridgeIterator(
-                make_rows(2), GymRollouts(client), processor, group_size=3, prompts_per_batch=2, dedup=dedup
+                make_rows(2),
+                GymRollouts(client),
+                processor,
+                BridgeConfig(
+                    group_size=3,
+                    prompts_per_step=2,
+                    dedup=dedup,
+                    min_group_size=None,
+                    max_consecutive_failed_groups=8,
+                ),
             )
             (batches[dedup],) = [b async for b in it]
     on, off = batches[True].media["pixel_values"], batches[False].media["pixel_values"]
@@ -228,7 +262,11 @@ async def test_reward_fn_shapes_the_trained_reward_and_keeps_the_env_reward(
 
     async with _client(FakeAgent(tiny, lambda t, r: 1.0)) as client:
         it = BridgeIterator(
-            make_rows(1), GymRollouts(client), processor, group_size=4, min_group_size=3, reward_fn=shaping
+            make_rows(1),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(group_size=4, min_group_size=3, prompts_per_step=1, max_consecutive_failed_groups=8),
+            reward_fn=shaping,
         )
         (batch,) = [b async for b in it]
     torch.testing.assert_close(batch.rewards, torch.tensor([1.0, 0.9, 0.7]))
@@ -247,9 +285,13 @@ def test_regression_drop_last_groups_are_recorded_not_silently_lost(
         make_rows(3),
         GymRollouts(_client(FakeAgent(tiny, _alternating))),
         processor,
-        group_size=2,
-        prompts_per_batch=2,
-        drop_last=True,
+        BridgeConfig(
+            group_size=2,
+            prompts_per_step=2,
+            drop_last=True,
+            min_group_size=None,
+            max_consecutive_failed_groups=8,
+        ),
     )
     yielded = [m["task_index"] for b in it for m in b.metadata]
     assert sorted(set(yielded)) == [0, 1]
@@ -269,7 +311,12 @@ async def test_regression_masked_rollout_that_fails_the_build_leaves_the_masked_
     masked samples that were never trained on."""
     agent = FakeAgent(tiny, lambda t, r: "bad_tokens_masked" if r == 0 else float(r))
     async with _client(agent) as client:
-        it = BridgeIterator(make_rows(1), GymRollouts(client), processor, group_size=3, min_group_size=2)
+        it = BridgeIterator(
+            make_rows(1),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(group_size=3, min_group_size=2, prompts_per_step=1, max_consecutive_failed_groups=8),
+        )
         (batch,) = [b async for b in it]
     assert [m["rollout_index"] for m in batch.metadata] == [1, 2]
     assert (it.stats.rollouts_ok, it.stats.rollouts_failed, it.stats.rollouts_masked) == (2, 1, 0)

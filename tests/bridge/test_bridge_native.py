@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, NativeRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, NativeRollouts
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.server import free_port, start_server
 from gymbridge.tensors import MediaProcessor
@@ -29,7 +29,14 @@ async def test_native_groups_carry_indices_and_share_one_image(processor: MediaP
     async with await start_server(get_env("circle_click").make_server()) as env:
         source = NativeRollouts(gen, env.url, max_turns=1)
         try:
-            it = BridgeIterator(_rows(2), source, processor, group_size=3, prompts_per_batch=2)
+            it = BridgeIterator(
+                _rows(2),
+                source,
+                processor,
+                BridgeConfig(
+                    group_size=3, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
+                ),
+            )
             (batch,) = [b async for b in it]
         finally:
             await source.aclose()
@@ -47,7 +54,14 @@ async def test_native_environment_down_is_recorded_then_raises(processor: MediaP
     dead = f"http://127.0.0.1:{free_port()}"
     source = NativeRollouts(gen, dead, max_turns=1, timeout_s=2.0)
     try:
-        it = BridgeIterator(_rows(5), source, processor, group_size=2, max_consecutive_failed_groups=2)
+        it = BridgeIterator(
+            _rows(5),
+            source,
+            processor,
+            BridgeConfig(
+                group_size=2, max_consecutive_failed_groups=2, prompts_per_step=1, min_group_size=None
+            ),
+        )
         with pytest.raises(BridgeStalledError, match="2 consecutive groups failed"):
             await it.__anext__()
     finally:
@@ -67,7 +81,14 @@ async def test_regression_seeded_native_rollout_with_a_bad_sampling_field_is_rec
     bad = {**row, "responses_create_params": {**row["responses_create_params"], "temperature": "hot"}}
     source = NativeRollouts(gen, f"http://127.0.0.1:{free_port()}", max_turns=1, timeout_s=2.0, seed=7)
     try:
-        it = BridgeIterator([bad], source, processor, group_size=2, max_consecutive_failed_groups=1)
+        it = BridgeIterator(
+            [bad],
+            source,
+            processor,
+            BridgeConfig(
+                group_size=2, max_consecutive_failed_groups=1, prompts_per_step=1, min_group_size=None
+            ),
+        )
         with pytest.raises(BridgeStalledError):
             await it.__anext__()
     finally:

@@ -8,7 +8,7 @@ import hypothesis.strategies as st
 from bridge_helpers import FakeAgent, make_rows
 from hypothesis import HealthCheck, given, settings
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, GymRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.tensors import MediaProcessor
 from gymbridge.testing.tiny_vlm import TinyVLM
@@ -38,11 +38,13 @@ def drain(
                 make_rows(num_prompts),
                 GymRollouts(client),
                 MediaProcessor(tiny.processor),
-                group_size=group_size,
-                prompts_per_batch=prompts_per_batch,
-                min_group_size=min_group,
-                max_consecutive_failed_groups=100,
-                drop_last=drop_last,
+                BridgeConfig(
+                    group_size=group_size,
+                    prompts_per_step=prompts_per_batch,
+                    min_group_size=min_group,
+                    max_consecutive_failed_groups=100,
+                    drop_last=drop_last,
+                ),
             )
             seen: list[list[tuple[int, int]]] = []
             stalled = False

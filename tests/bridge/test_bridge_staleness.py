@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gymbridge.bridge import BridgeIterator, RolloutRecord
+from gymbridge.bridge import BridgeConfig, BridgeIterator, RolloutRecord
 
 PROMPT = [1, 2, 3]
 
@@ -92,22 +92,24 @@ async def _loop(
         rows,
         source,
         None,
-        group_size=group,
-        prompts_per_batch=prompts,
-        max_staleness=k,
-        max_consecutive_failed_groups=10_000,
+        BridgeConfig(
+            group_size=group,
+            prompts_per_step=prompts,
+            max_staleness=k,
+            max_consecutive_failed_groups=10_000,
+            min_group_size=None,
+        ),
     )
     trained: list[tuple[int, list[int]]] = []  # (trainer version, tasks trained at it)
     publishers: list[asyncio.Task[None]] = []
     try:
         for _ in range(steps):
-            bridge.policy_version = clock.trainer
             try:
-                await bridge.__anext__()
+                got = await bridge.next_batch(clock.trainer)
             except StopAsyncIteration:
                 break
-            trained.append((clock.trainer, [g.task_index for g in bridge.last_groups]))
-            for g in bridge.last_groups:
+            trained.append((clock.trainer, got.task_indices))
+            for g in got.groups:
                 for traj in g.trajectories:
                     assert traj.oldest_policy_version is not None
                     assert clock.trainer - traj.oldest_policy_version <= k
@@ -159,12 +161,28 @@ def test_on_policy_runs_nothing_ahead() -> None:
         clock = Clock()
         source = TwoTurnSource(clock, [0.0])
         rows = [{"responses_create_params": {"input": f"t{i}"}} for i in range(6)]
-        bridge = BridgeIterator(rows, source, None, group_size=2, prompts_per_batch=2)
+        bridge = BridgeIterator(
+            rows,
+            source,
+            None,
+            BridgeConfig(
+                group_size=2, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
+            ),
+        )
         await bridge.__anext__()
         after_first = bridge.in_flight
         await bridge.aclose()
         ahead = BridgeIterator(
-            rows, TwoTurnSource(clock, [0.0]), None, group_size=2, prompts_per_batch=2, max_staleness=1
+            rows,
+            TwoTurnSource(clock, [0.0]),
+            None,
+            BridgeConfig(
+                group_size=2,
+                prompts_per_step=2,
+                max_staleness=1,
+                min_group_size=None,
+                max_consecutive_failed_groups=8,
+            ),
         )
         await ahead.__anext__()
         in_flight = ahead.in_flight
@@ -186,18 +204,20 @@ def test_stale_group_is_recorded_not_trained(tmp_path: Any) -> None:
             rows,
             TwoTurnSource(clock, [0.0]),
             None,
-            group_size=2,
-            max_staleness=1,
+            BridgeConfig(
+                group_size=2,
+                max_staleness=1,
+                prompts_per_step=1,
+                min_group_size=None,
+                max_consecutive_failed_groups=8,
+            ),
             failures_path=tmp_path / "failures.jsonl",
         )
-        bridge.policy_version = 0
-        await bridge.__anext__()
-        bridge.policy_version = 1  # one version behind: still trained
-        await bridge.__anext__()
-        assert [g.staleness for g in bridge.last_groups] == [1]
-        bridge.policy_version = 3  # three behind: dropped until the data runs out
-        with pytest.raises(StopAsyncIteration):
-            await bridge.__anext__()
+        await bridge.next_batch(0)
+        got = await bridge.next_batch(1)  # one version behind: still trained
+        assert [g.staleness for g in got.groups] == [1]
+        with pytest.raises(StopAsyncIteration):  # three behind: dropped until the data runs out
+            await bridge.next_batch(3)
         return bridge
 
     bridge = asyncio.run(go())
@@ -213,10 +233,20 @@ def test_on_policy_without_dropping_hands_a_lagging_group_to_the_drift_guard() -
 
     async def go() -> list[int]:
         rows = [{"responses_create_params": {"input": f"t{i}"}} for i in range(2)]
-        bridge = BridgeIterator(rows, TwoTurnSource(Clock(), [0.0]), None, group_size=2, drop_stale=False)
-        bridge.policy_version = 1  # the generator never got version 1
-        await bridge.__anext__()
+        bridge = BridgeIterator(
+            rows,
+            TwoTurnSource(Clock(), [0.0]),
+            None,
+            BridgeConfig(
+                group_size=2,
+                drop_stale=False,
+                prompts_per_step=1,
+                min_group_size=None,
+                max_consecutive_failed_groups=8,
+            ),
+        )
+        got = await bridge.next_batch(1)  # the generator never got version 1
         await bridge.aclose()
-        return [g.staleness for g in bridge.last_groups]
+        return [g.staleness for g in got.groups]
 
     assert asyncio.run(go()) == [1]

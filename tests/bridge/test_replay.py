@@ -13,7 +13,14 @@ from bridge_helpers import FakeAgent, make_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gymbridge.bridge import BridgeIterator, GymRollouts, ReplayBuffer, ReplayCheckpointError, write_atomic
+from gymbridge.bridge import (
+    BridgeConfig,
+    BridgeIterator,
+    GymRollouts,
+    ReplayBuffer,
+    ReplayCheckpointError,
+    write_atomic,
+)
 from gymbridge.bridge.replay import CHECKPOINT_VERSION
 from gymbridge.client import GymClient
 from gymbridge.errors import CheckpointError
@@ -27,7 +34,12 @@ from gymbridge.testing.tiny_vlm import TinyVLM
 def batch(tiny: TinyVLM, processor: MediaProcessor) -> TrainBatch:
     agent = FakeAgent(tiny, lambda t, r: float(r % 2))
     client = GymClient("http://agent.test", transport=agent.transport())
-    it = BridgeIterator(make_rows(3), GymRollouts(client), processor, group_size=4, prompts_per_batch=3)
+    it = BridgeIterator(
+        make_rows(3),
+        GymRollouts(client),
+        processor,
+        BridgeConfig(group_size=4, prompts_per_step=3, min_group_size=None, max_consecutive_failed_groups=8),
+    )
     return next(iter(it))
 
 

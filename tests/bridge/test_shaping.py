@@ -54,7 +54,8 @@ def test_token_rate_counts_digit_tokens_over_every_turn(shaping: TokenRateShapin
 def test_shaping_config_and_refusals() -> None:
     tok = build_tiny_vlm(0).tokenizer
     assert TokenRateShaping.from_config(ShapingConfig(kind="none"), tok) is None
-    made = TokenRateShaping.from_config(ShapingConfig(tokens="0", weight=2.0), tok)
+    assert ShapingConfig().kind == "none"  # opt-in
+    made = TokenRateShaping.from_config(ShapingConfig(kind="token_rate", tokens="0", weight=2.0), tok)
     assert made is not None and made.weight == 2.0 and len(made.token_ids) >= 1
     with pytest.raises(ValueError, match="no token"):
         TokenRateShaping(tok, "\u2603")

@@ -61,8 +61,8 @@ from gymbridge.config import read_config
 root = pathlib.Path(gymbridge.__file__).parent
 assert "site-packages" in str(root), root  # the installed copy, not the checkout
 print(json.dumps({"configs": sorted(p.name for p in (root / "configs").glob("*.yaml")),
-                  "default_env": read_config(root / "configs" / "smoke.yaml")["env"],
-                  "viewer": (root / "launch" / "viewer.html").is_file()}))
+                  "default_env": read_config(root / "configs" / "smoke.yaml")["env"]["name"],
+                  "viewer": (root / "run" / "viewer.html").is_file()}))
 """
 
 

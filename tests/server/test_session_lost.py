@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, GymRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.server import RunningServer, SimpleAgent, start_server
 from gymbridge.server._base import ERROR_HEADER, SESSION_LOST
@@ -129,7 +129,14 @@ async def test_regression_no_rollout_of_a_restarted_environment_is_trained() -> 
 
     async def run(agent_url: str) -> BridgeIterator:
         client = GymClient(agent_url, max_attempts=1)
-        it = BridgeIterator(rows, GymRollouts(client), None, group_size=4, prompts_per_batch=4)
+        it = BridgeIterator(
+            rows,
+            GymRollouts(client),
+            None,
+            BridgeConfig(
+                group_size=4, prompts_per_step=4, min_group_size=None, max_consecutive_failed_groups=8
+            ),
+        )
         try:
             with pytest.raises(BridgeStalledError, match="without a single completed group"):
                 await it.__anext__()

@@ -12,7 +12,7 @@ from tensor_helpers import image, mixed_batch, png_bytes, traj, turn
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.media import MediaItem
-from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch, group_advantages
+from gymbridge.tensors import MediaProcessor, TrainBatch, group_advantages
 from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trajectory.types import Trajectory, Turn
 
@@ -294,33 +294,6 @@ def test_packed_micro_batches_fill_the_budget_with_real_tokens(batch: TrainBatch
         assert len(m.media["pixel_values"]) == len(m)  # media follow their rows
 
 
-def test_pack_puts_rows_into_bins_and_media_follow(batch: TrainBatch) -> None:
-    max_len = int(batch.lengths.max()) + 40
-    packed = batch.pack(max_len)
-    assert packed.input_ids.shape == (len(packed), max_len)
-    assert sorted(packed.row_index.tolist()) == list(range(len(batch)))
-    assert int((packed.sequence_ids >= 0).sum()) == batch.num_tokens
-    for b in range(len(packed)):
-        lo, hi = int(packed.bin_offsets[b]), int(packed.bin_offsets[b + 1])
-        assert int(packed.seq_lens[lo:hi].sum()) <= max_len
-        assert packed.cu_seqlens(b)[-1] == packed.seq_lens[lo:hi].sum()
-        cursor = 0
-        for s in range(lo, hi):
-            row = int(packed.row_index[s])
-            n = int(packed.seq_lens[s])
-            assert packed.input_ids[b, cursor : cursor + n].tolist() == batch.input_ids[row, :n].tolist()
-            assert packed.position_ids[b, cursor : cursor + n].tolist() == list(range(n))
-            assert torch.all(packed.advantages[b, cursor : cursor + n] == batch.advantages[row])
-            assert torch.equal(packed.loss_mask[b, cursor : cursor + n], batch.loss_mask[row, :n])
-            cursor += n
-        media = packed.bin_media(b)["pixel_values"]
-        expected = batch.media["pixel_values"].select(packed.row_index[lo:hi]).materialize()
-        got = media.materialize()
-        assert (got is None and expected is None) or torch.equal(got, expected)
-    with pytest.raises(ValueError, match="over max_len"):
-        batch.pack(4)
-
-
 def test_to_and_cast_media(batch: TrainBatch) -> None:
     moved = batch.to("cpu")
     assert (
@@ -363,8 +336,6 @@ def test_regression_shared_media_never_mutated_in_place(batch: TrainBatch) -> No
             dense = v.materialize()
             if dense is not None:
                 dense.add_(1)
-    packed = batch.pack(int(batch.lengths.max()) * 2)
-    assert len(packed) >= 1
     for s, b in zip(segs, before, strict=True):
         assert torch.equal(s, b)
 
@@ -382,5 +353,3 @@ def test_batch_pickle5_sends_storage_out_of_band_once(batch: TrainBatch) -> None
     assert back.media["pixel_values"].provenance == rep.media["pixel_values"].provenance
     assert torch.equal(back.media["pixel_values"].materialize(), rep.media["pixel_values"].materialize())
     assert back.metadata == rep.metadata
-    packed = pickle.loads(pickle.dumps(batch.pack(512), protocol=5))
-    assert isinstance(packed.media["pixel_values"], PackedTensor)

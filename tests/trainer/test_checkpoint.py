@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from gymbridge.errors import CheckpointError
-from gymbridge.trainer.checkpoint import load_checkpoint, save_checkpoint
+from gymbridge.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from gymbridge.trainer.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -44,11 +44,10 @@ def test_round_trip_restores_weights_optimizer_rng_and_position(tmp_path: Path) 
     save_checkpoint(tmp_path, step=3, policy_version=3, trainer=src, done_task_indices={0, 1, 2, 5})
     expect = (random.random(), float(np.random.rand()), float(torch.rand(1)))
     dst = GRPOTrainer(Net(), GRPOConfig(lr=1e-2))
-    loaded = load_checkpoint(tmp_path, trainer=dst)
-    assert loaded is not None
-    state, replay = loaded
+    state = load_checkpoint(tmp_path, trainer=dst)
+    assert state is not None
     assert (state.step, state.policy_version, state.done_task_indices) == (3, 3, frozenset({0, 1, 2, 5}))
-    assert replay is None and dst.steps == src.steps == 3
+    assert dst.steps == src.steps == 3 and latest_step(tmp_path) == 3
     assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expect
     for p, q in zip(src.model.parameters(), dst.model.parameters(), strict=True):
         assert torch.equal(p, q)
@@ -91,7 +90,7 @@ def test_tampered_or_truncated_checkpoint_is_refused_naming_the_file(tmp_path: P
 
 @pytest.mark.parametrize(
     "latest",
-    [b"{not json", b'{"format": "x", "step": 1, "state": "a", "replay": null}', None],
+    [b"{not json", b'{"format": "x", "step": 1, "state": "a"}', None],
     ids=["not_json", "foreign_format", "path_escape"],
 )
 def test_bad_latest_pointer_is_refused(tmp_path: Path, latest: bytes | None) -> None:

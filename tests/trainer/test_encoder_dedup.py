@@ -302,15 +302,17 @@ def test_omni_images_video_and_audio_each_encoded_once_with_the_same_gradients(o
 @pytest.mark.integration
 def test_smoke_run_reports_one_encoder_segment_per_unique_image(tmp_path: Path) -> None:
     """``gymbridge smoke run``, 2 steps of 2 prompts x G=4: ``encoder_segments`` is the unique images."""
-    from gymbridge.launch import smoke
+    from gymbridge.cli import main
 
     run_dir = tmp_path / "run"
-    argv = ["--native", "--steps", "2", "--prompts", "2", "--group-size", "4", "--run-dir", str(run_dir)]
-    argv += ["--set", "max_tokens=6", "--set", "max_turns=1", "--no-progress"]
-    assert smoke.main(argv) == 0
+    argv = ["smoke", "run", "--native", "--steps", "2", "--prompts", "2", "--group-size", "4"]
+    argv += ["--run-dir", str(run_dir), "--set", "rollout.max_tokens=16", "--set", "warmup.steps=0"]
+    argv += ["--set", "shaping.kind=token_rate", "--no-progress"]
+    assert main(argv) == 0
     records = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    for r in records:
+    assert any(r["skipped"] is None for r in records)
+    for r in (r for r in records if r["skipped"] is None):
         assert r["encoder_dedup"] is True
         assert r["encoder_segments"] == len(r["media_keys"]) == 2  # one image per prompt
         assert r["encoder_refs"] == r["num_rows"] == 8  # every rollout row references its prompt's image

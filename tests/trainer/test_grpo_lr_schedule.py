@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from trainer_helpers import make_batch, with_current_logprobs
 
+from gymbridge.cli import main as cli_main
 from gymbridge.errors import ConfigError
-from gymbridge.launch.smoke import build_config, main
+from gymbridge.run import load_run_config
 from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy
 from gymbridge.trainer.checkpoint import load_checkpoint, save_checkpoint
@@ -46,7 +47,7 @@ def test_a_decay_without_a_horizon_is_refused() -> None:
     with pytest.raises(ValidationError, match="needs lr_decay_steps >= 1"):
         GRPOConfig(lr_schedule="cosine")
     with pytest.raises(ConfigError, match="lr_decay_steps"):
-        build_config(None, [("trainer.lr_decay_steps", 0)], {})
+        load_run_config(["smoke"], [("trainer.lr_decay_steps", 0)])
 
 
 @settings(max_examples=200, deadline=None)
@@ -112,16 +113,20 @@ def test_a_resumed_trainer_continues_the_schedule(tiny: TinyVLM, tmp_path: Path)
 def test_the_lr_schedule_from_the_launcher_lands_in_metrics(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``--set trainer.lr_warmup_steps=2``; the shipped ``lr_decay_steps: ${steps}`` follows ``--steps``."""
+    """``--set trainer.lr_warmup_steps=2``; the decay horizon (``lr_decay_steps``) follows ``--steps``."""
     run = tmp_path / "run"
-    argv = ["--native", "--steps", "4", "--prompts", "1", "--group-size", "2", "--no-progress"]
+    argv = ["smoke", "run", "--native", "--steps", "4", "--prompts", "1", "--group-size", "4"]
+    argv += ["--no-progress"]
     argv += ["--run-dir", str(run), "--set", "trainer.lr_warmup_steps=2", "--set", "trainer.lr=1e-3"]
-    assert main(argv) == 0
+    argv += ["--set", "warmup.steps=0", "--set", "shaping.kind=token_rate", "--set", "rollout.max_tokens=16"]
+    assert cli_main(argv) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    # warm-up 1e-3 * k / 2, then cosine from 1e-3 to the shipped floor (10 %) at the last (4th) update
+    # warm-up 1e-3 * k / 2, then cosine from 1e-3 to the overlay's floor (10 %) at the last (4th) update;
+    # a skipped step (no reward variance) takes no update, so the schedule waits for it
     want = [5e-4, 1e-3, 1e-3 * (0.1 + 0.9 * 0.5), 1e-4]
-    assert all(r["num_loss_tokens"] for r in records)  # every step updated (else the schedule waits)
-    assert [r["lr"] for r in records] == pytest.approx(want)
+    trained = [r["lr"] for r in records if r["skipped"] is None]
+    assert trained and trained == pytest.approx(want[: len(trained)])
+    assert all(r["lr"] == 0.0 for r in records if r["skipped"] is not None)
     assert "  lr 5.00e-04" in capsys.readouterr().out
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from gymbridge.bridge import BridgeIterator, NativeRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, NativeRollouts
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
 from gymbridge.server import start_server
@@ -51,7 +51,14 @@ async def test_grpo_raises_the_rewarded_tool_call_through_the_whole_native_path(
     async with await start_server(spec.make_server()) as env:
         source = NativeRollouts(scripted, env.url, max_turns=1)
         try:
-            it = BridgeIterator([row], source, MediaProcessor(tiny.processor), group_size=4)
+            it = BridgeIterator(
+                [row],
+                source,
+                MediaProcessor(tiny.processor),
+                BridgeConfig(
+                    group_size=4, prompts_per_step=1, min_group_size=None, max_consecutive_failed_groups=8
+                ),
+            )
             (batch,) = [b async for b in it]
         finally:
             await source.aclose()

@@ -296,17 +296,17 @@ def test_smoke_run_with_sequence_packing_trains_and_reports_it(tmp_path: Path) -
 
     run_dir = tmp_path / "run"
     argv = ["smoke", "run", "--native", "--prompts", "1", "--group-size", "8", "--steps", "2"]
-    for key in ("max_tokens=12", "max_turns=1", "warmup.steps=0", "shaping.kind=token_rate"):
+    for key in ("rollout.max_tokens=12", "warmup.steps=0", "shaping.kind=token_rate"):
         argv += ["--set", key]
     argv += ["--set", "trainer.sequence_packing=true", "--set", "trainer.micro_batch_max_tokens=200"]
-    argv += ["--set", "payload_metrics=false", "--run-dir", str(run_dir), "--no-progress"]
+    argv += ["--set", "output.payload_metrics=false", "--run-dir", str(run_dir), "--no-progress"]
     assert cli.main(argv) == 0
     recs = [orjson.loads(line) for line in (run_dir / "metrics.jsonl").read_bytes().splitlines()]
     assert [r["step"] for r in recs] == [1, 2]
     for r in recs:
         # 8 rows of ~70 tokens under a 200-token budget: several packed sequences, no padding run
         assert r["packed_sequences"] >= 3 and r["padding_fraction"] == 0.0, r
-        assert r["grad_norm"] > 0 and r["num_loss_tokens"] > 0, r
+        assert r["skipped"] is None and r["grad_norm"] > 0 and r["num_loss_tokens"] > 0, r
         assert r["ratio_mean"] == pytest.approx(1.0, abs=1e-4), r
 
 

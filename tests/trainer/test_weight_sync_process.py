@@ -25,7 +25,7 @@ from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.server import ModelServer, ModelServerConfig
 from gymbridge.generation.types import SamplingConfig
 from gymbridge.generation.weights import plan_buckets
-from gymbridge.launch.generator_process import (
+from gymbridge.run.generator_process import (
     ModelServerProcess,
     start_model_server_process,
     tiny_server_command,

@@ -1,0 +1,204 @@
+"""Callbacks: what a run does with each :class:`~gymbridge.run.report.StepReport`.
+
+A :class:`Callback` gets the run once it is set up (:meth:`~Callback.on_setup`), every message
+the run says (:meth:`~Callback.on_message`: set-up lines, the end summary), every step's report
+and ``metrics.jsonl`` record (:meth:`~Callback.on_step`) and the :class:`RunSummary` at the end.
+:func:`default_callbacks` are what ``gymbridge train`` uses, in this order: the metrics file
+(the step's line is on disk before anything else happens), the run artifacts (charts, rollouts,
+viewer), the W&B / TensorBoard reporters, the console.
+
+Invariant: callbacks read the report and the record, never the bridge's or the trainer's state;
+a callback's ``on_step`` runs off the event loop (in a worker thread), so rollouts in flight keep
+going while artifacts are written.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gymbridge.run.config import RunConfig
+    from gymbridge.run.recipe import GRPORun
+    from gymbridge.run.report import RunSummary, StepReport
+
+__all__ = [
+    "ArtifactsCallback",
+    "Callback",
+    "ConsoleCallback",
+    "MetricsFileCallback",
+    "ReportersCallback",
+    "default_callbacks",
+    "step_line",
+]
+
+
+class Callback:
+    """A run's observer; every hook is optional (the base does nothing)."""
+
+    def on_setup(self, run: GRPORun) -> None:
+        """The run is set up: its config, run directory and model are there; no step has run."""
+
+    def on_message(self, text: str) -> None:
+        """One line the run says (set-up, warnings a user must see, the end summary)."""
+
+    def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        """A step is done; ``record`` is its ``metrics.jsonl`` line."""
+
+    def on_end(self, summary: RunSummary) -> None:
+        """The run's last step is done (or the data ran out); nothing more will be trained."""
+
+    def close(self) -> None:
+        """Release what the callback holds (called once, on success, error or interrupt)."""
+
+
+class MetricsFileCallback(Callback):
+    """Appends each step's record to ``<run_dir>/metrics.jsonl`` (one flushed line per step)."""
+
+    def on_setup(self, run: GRPORun) -> None:
+        self._run_dir = run.run_dir
+
+    def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        self._run_dir.append_metrics(record)
+
+
+class ArtifactsCallback(Callback):
+    """``rollouts/step_<n>.jsonl`` and the viewer every step, ``charts/`` every ``chart_every`` steps."""
+
+    def on_setup(self, run: GRPORun) -> None:
+        from gymbridge.run.artifacts import RunArtifacts
+
+        self._say = run.say
+        self._records = run.run_dir.metrics()  # a resumed run's earlier steps included
+        self._artifacts = RunArtifacts(
+            run.run_dir.path, decode=run.model.tokenizer.decode, chart_every=run.config.output.chart_every
+        )
+
+    def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        self._records.append(dict(record))
+        self._artifacts.record_step(report.step, report.batch.groups, self._records)
+
+    def on_end(self, summary: RunSummary) -> None:
+        self._artifacts.finish(self._records)
+        self._say(f"charts: {self._artifacts.charts_path}/\nviewer: {self._artifacts.viewer_path}")
+
+
+class ReportersCallback(Callback):
+    """Sends each record to W&B / TensorBoard (``output.report_to``; optional extras)."""
+
+    def __init__(self) -> None:
+        self._reporters: list[Any] = []
+
+    def on_setup(self, run: GRPORun) -> None:
+        from gymbridge.run.reporters import open_reporters
+
+        names = run.config.output.report_to
+        self._reporters = open_reporters(names, run.run_dir.path, run.config.model_dump(mode="json"))
+
+    def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        for reporter in self._reporters:
+            reporter.log(report.step, record)
+
+    def close(self) -> None:
+        for reporter in self._reporters:
+            reporter.close()
+        self._reporters = []
+
+
+class ConsoleCallback(Callback):
+    """Prints the run's messages and one line per step (a progress bar when ``progress``)."""
+
+    def __init__(self, out: IO[str] | None = None, *, progress: bool = False) -> None:
+        self.out = out if out is not None else sys.stdout
+        self.progress = progress
+        self._bar: Any = None
+        self._config: RunConfig | None = None
+
+    def on_setup(self, run: GRPORun) -> None:
+        from tqdm.auto import tqdm
+
+        self._config = run.config
+        self._bar = tqdm(
+            total=run.config.steps,
+            initial=run.first_step - 1,
+            desc="train",
+            unit="step",
+            disable=not self.progress,
+        )
+
+    def on_message(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.clear()
+        print(text, file=self.out, flush=True)
+
+    def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        assert self._config is not None
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.clear()
+        print(step_line(report, record, self._config), file=self.out, flush=True)
+
+    def on_end(self, summary: RunSummary) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def default_callbacks(*, out: IO[str] | None = None, progress: bool = False) -> list[Callback]:
+    """What ``gymbridge train`` reports with (module docstring)."""
+    return [
+        MetricsFileCallback(),
+        ArtifactsCallback(),
+        ReportersCallback(),
+        ConsoleCallback(out, progress=progress),
+    ]
+
+
+def step_line(report: StepReport, record: Mapping[str, Any], config: RunConfig) -> str:
+    """The console's line for a step: rewards, loss, tokens, gradient, ratios, rollouts, what is on."""
+    m = report.metrics
+    rewards = f"env reward {report.env_reward_mean:.3f}"
+    if report.shaped:
+        rewards += f"  shaped reward {report.env_reward_mean + report.shaping_reward_mean:.3f}"
+    loss = m.loss if abs(m.loss) >= 5e-6 else 0.0  # no "-0.00000" vs "+0.00000" flicker between reruns
+    line = (
+        f"step {report.step}/{report.total_steps}  {rewards}  loss {loss:+.5f}  tokens {m.num_tokens} "
+        f"(trained {m.num_loss_tokens})  grad_norm {m.grad_norm:.4f}  ratio {m.mean_ratio:.4f}  "
+        f"ratio_mean {m.ratio_mean:.5f}  rollouts {report.batch.rollouts_ok} ok / "
+        f"{report.batch.rollouts_failed} failed  {m.elapsed_s:.2f}s train"
+    )
+    if report.skipped is not None:
+        line += f"  skipped ({report.skipped.replace('_', ' ')}: no update, v{report.policy_version} kept)"
+    elif report.published:
+        line += f"  -> v{report.policy_version} (sync {report.weight_sync_s:.3f}s)"
+    elif not config.generator.publish_weights:
+        line += " (not published: generator.publish_weights is off)"
+    if config.bridge.max_staleness > 0:
+        line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
+    if config.trainer.lr_scheduled and report.skipped is None:
+        line += f"  lr {m.lr:.2e}"
+    if config.trainer.kl_coef > 0:
+        line += f"  kl {m.kl:.5f} ({config.trainer.kl_estimator})"
+    if config.trainer.mask_truncated:
+        line += f"  truncated masked {m.truncated_masked}"
+    if config.bridge.dynamic_sampling:
+        line += f"  zero-variance dropped {record['groups_zero_variance_dropped']}"
+    return line + _media_summary(report)
+
+
+def _media_summary(report: StepReport) -> str:
+    """``  media video: pixel_values_videos, video_grid_thw (2 unique)`` for the step's batch."""
+    batch = report.batch.batch
+    keys = batch.media_keys()
+    if not keys:
+        return ""
+    unique = batch.media_content_keys()
+    parts = [
+        f"{modality}: {', '.join(names)} ({len(unique.get(modality, []))} unique)"
+        for modality, names in sorted(keys.items())
+    ]
+    return "  media " + "; ".join(parts)

@@ -1,0 +1,175 @@
+"""``gymbridge train`` and its short alias ``gymbridge smoke run`` (= ``train --config smoke``).
+
+::
+
+    gymbridge train --env my_pkg.envs:MyEnv --dataset rows.jsonl --model /models/qwen2-vl-2b
+    gymbridge train --agent-url http://127.0.0.1:8000 --dataset rows.jsonl --model-port 8010
+    gymbridge train --config smoke --set trainer.lr=1e-3 --steps 20
+    gymbridge train --resume runs/color_pick-20261202T101500Z
+    gymbridge smoke run [--native | --config smoke_color_tool | --env beep_count ...]
+
+``--config`` takes shipped overlays by name (``gymbridge/configs/``) or YAML files, in order;
+``--set KEY=VALUE`` (dotted, YAML-typed) comes after them, the named flags last
+(:func:`~gymbridge.run.config.load_run_config`). ``--resume DIR`` continues the run saved in
+``DIR`` from its newest checkpoint (and refuses a run without one); ``--resume-or-start DIR``
+starts it afresh in ``DIR`` when it has none. ``gymbridge smoke run --env NAME`` runs an example
+environment at its small smoke size (its data module's ``SMOKE_PARAMS``).
+
+Invariant: nothing here trains; it turns the command line into a :class:`~gymbridge.run.RunConfig`
+and calls :func:`gymbridge.run.train`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+from gymbridge.config import parse_override
+from gymbridge.errors import ConfigError
+
+__all__ = ["add_smoke_commands", "add_train_arguments"]
+
+SMOKE_CONFIG = "smoke"
+"""The overlay ``gymbridge smoke run`` uses when given no ``--config``."""
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
+    """The run's options, on any parser (``smoke``: the alias's help texts)."""
+    default = f" (default: {SMOKE_CONFIG})" if smoke else ""
+    parser.add_argument(
+        "--config",
+        dest="configs",
+        action="append",
+        default=[],
+        metavar="NAME|FILE",
+        help=f"a shipped overlay's name or a YAML file; repeat to stack overlays in order{default}",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=parse_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key (dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
+    )
+    parser.add_argument(
+        "--env", default=None, help="environment: a name (gymbridge env list) or module:Class (your server)"
+    )
+    parser.add_argument(
+        "--agent-url", default=None, help="a running NeMo Gym agent (POST /run): serve the model only"
+    )
+    parser.add_argument("--dataset", default=None, help="NeMo Gym rows (jsonl) to train on")
+    parser.add_argument(
+        "--model", default=None, help="tiny (default) or a local Hugging Face model directory"
+    )
+    parser.add_argument(
+        "--backend", choices=("hf", "vllm"), default=None, help="generation backend of --model"
+    )
+    parser.add_argument(
+        "--model-port", type=int, default=None, help="the model server's port (for --agent-url)"
+    )
+    parser.add_argument("--native", action="store_true", default=None, help="native rollouts (no agent)")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
+    parser.add_argument("--prompts", dest="prompts_per_step", type=int, default=None, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=None, help="rollouts per prompt (G)")
+    parser.add_argument("--seed", type=int, default=None, help="dataset and sampling seed")
+    parser.add_argument("--dp", dest="dp_workers", type=int, default=None, help="Ray DP workers (0: none)")
+    parser.add_argument(
+        "--run-dir", default=None, help="the run directory (default runs/<env>-<UTC timestamp>)"
+    )
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        type=Path,
+        default=None,
+        help="continue the run in RUN_DIR from its newest checkpoint (refused when it has none)",
+    )
+    resume.add_argument(
+        "--resume-or-start",
+        metavar="RUN_DIR",
+        type=Path,
+        default=None,
+        help="continue the run in RUN_DIR, or start it there afresh when it has no checkpoint",
+    )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_cmd_smoke if smoke else _cmd_train, smoke=smoke)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """``gymbridge train``'s options (the ``gymbridge.cli`` hook)."""
+    add_run_arguments(parser, smoke=False)
+
+
+def add_smoke_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``gymbridge smoke run``: ``train --config smoke`` (the ``gymbridge.cli`` dispatch-table hook)."""
+    p_run = sub.add_parser("run", help="the colour toy end to end on loopback (train --config smoke)")
+    add_run_arguments(p_run, smoke=True)
+
+
+def _flags(args: argparse.Namespace) -> dict[str, Any]:
+    from gymbridge.run.config import FLAG_KEYS
+
+    return {k: getattr(args, k) for k in FLAG_KEYS if getattr(args, k, None) is not None}
+
+
+def _cmd_smoke(args: argparse.Namespace) -> int:
+    return _run(args, default_configs=[SMOKE_CONFIG])
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    return _run(args, default_configs=[])
+
+
+def _run(args: argparse.Namespace, *, default_configs: list[str]) -> int:
+    from gymbridge.run.config import load_run_config, saved_run_config
+    from gymbridge.run.recipe import train
+    from gymbridge.run.rundir import RunDir
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per /run call drowns the steps
+    flags = _flags(args)
+    progress = not args.no_progress
+    saved_dir: Path | None = args.resume or args.resume_or_start
+    if saved_dir is not None and (RunDir(saved_dir).config_path.is_file() or args.resume is not None):
+        given = [f"--{k.replace('_', '-')}" for k in flags] + [
+            f"--set {o.partition('=')[0]}" for o in args.overrides
+        ]
+        given += ["--config"] if args.configs else []
+        if given:
+            raise ConfigError(
+                [f"--resume continues the run as saved in {saved_dir}/config.yaml; drop {', '.join(given)}"]
+            )
+        run = RunDir(saved_dir)
+        if not run.config_path.is_file():
+            raise ConfigError([f"--resume {saved_dir}: not a run directory (no config.yaml)"])
+        data = run.read_config()
+        data.setdefault("output", {})
+        data["output"] = {**data["output"], "run_dir": str(saved_dir)}
+        cfg = saved_run_config(data, where=str(run.config_path))
+        train(cfg, resume="must" if args.resume is not None else "allow", progress=progress)
+        return 0
+    configs = list(args.configs) or default_configs
+    overrides = list(args.overrides)
+    if args.smoke and args.env is not None:
+        overrides.insert(0, ("env.params", _smoke_params(args.env)))
+    if args.backend == "vllm" and not any(str(o).startswith("generator.placement=") for o in overrides):
+        overrides.insert(0, "generator.placement=process")  # vLLM serves from its own process
+    if saved_dir is not None:
+        flags["run_dir"] = str(saved_dir)
+    cfg = load_run_config(configs, overrides, flags)
+    train(cfg, resume="allow" if saved_dir is not None else "never", progress=progress)
+    return 0
+
+
+def _smoke_params(env: str) -> dict[str, Any]:
+    """An example environment's small smoke size (``SMOKE_PARAMS`` of its data module; ``{}``: none)."""
+    from gymbridge.run.userenv import is_class_ref
+
+    if is_class_ref(env):
+        return {}
+    from gymbridge.cli import load_example_environments
+
+    return dict(load_example_environments().get_env(env).smoke_params)

@@ -1,0 +1,631 @@
+"""``GRPORun``: a GRPO run as a recipe, ``setup()``, ``step()``, ``train()``, ``cleanup()``.
+
+::
+
+    async with GRPORun(config) as run:      # setup(): everything below, in this order
+        await run.train()                   # step() until config.steps (or the data runs out)
+
+:meth:`GRPORun.setup` reads top to bottom in phases:
+
+1. **run directory** (:mod:`gymbridge.run.rundir`): a fresh run refuses a directory that holds
+   one; ``resume="must"`` (``--resume``) needs a checkpoint and refuses without one
+   (:class:`~gymbridge.errors.ResumeError`); ``resume="allow"`` (``--resume-or-start``) starts
+   afresh when there is none, setting the earlier attempt's lines aside. A run whose checkpoint
+   already holds every step does nothing and says so. History files are never truncated;
+2. **data** (:mod:`gymbridge.run.data`): ``dataset.jsonl``, written once;
+3. **model** (:mod:`gymbridge.run.model`) and **trainer**: a resumed run loads its checkpoint
+   (weights, optimizer, RNG, the rows done); a fresh one runs the optional format warm-up
+   (:mod:`gymbridge.run.warmup`), then takes the KL reference from the warmed-up weights. The
+   reference is held in the trainer's dtype on every path (fresh, resumed, DP workers);
+4. **services** (:mod:`gymbridge.run.services`): environment, media server, generator
+   (in process or its own process), agent; version 0 of the weights is published;
+5. **data parallelism** (``dp.workers > 0``: :class:`~gymbridge.trainer.RayDPTrainer`);
+6. **bridge** (:class:`~gymbridge.bridge.BridgeIterator` with the run's
+   :class:`~gymbridge.bridge.BridgeConfig`), skipping a resumed run's done rows.
+
+:meth:`GRPORun.step` asks the bridge for a batch at the trainer's policy version (with
+``bridge.max_staleness = k > 0`` the next ``k`` batches' rollouts keep running meanwhile), runs
+the update in a worker thread (the event loop, the servers and in-flight rollouts keep going),
+publishes the new weights when the optimizer stepped, hands a
+:class:`~gymbridge.run.report.StepReport` to every callback and writes a checkpoint every
+``checkpoint.every`` steps. A batch that cannot train (no loss token, or zero advantage on every
+row without a KL term) does not step the optimizer, keeps the policy version and publishes
+nothing; its record says ``skipped``.
+
+Invariants: the run's last step always gets a checkpoint; a step's ``metrics.jsonl`` line is on
+disk before its checkpoint; every server, child process and Ray worker the run started is
+stopped by :meth:`cleanup` whatever happened; nothing listens outside 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+from gymbridge.errors import ConfigError, ResumeError
+from gymbridge.run.callbacks import Callback, default_callbacks
+from gymbridge.run.config import RunConfig
+from gymbridge.run.report import RunSummary, StepReport, group_rewards, payload_delta
+from gymbridge.run.rundir import RunDir, default_run_dir
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from gymbridge.bridge import BridgeIterator, TokenRateShaping
+    from gymbridge.metrics import PayloadMeter
+    from gymbridge.run.model import RunModel
+    from gymbridge.run.services import Services
+    from gymbridge.tensors import TrainBatch
+    from gymbridge.trainer import GRPOTrainer, StepMetrics
+
+__all__ = ["GRPORun", "ResumeMode", "train"]
+
+ResumeMode = Literal["never", "must", "allow"]
+"""``never``: a fresh run; ``must``: continue from the newest checkpoint or refuse; ``allow``: continue
+when there is a checkpoint, else start afresh in the same directory."""
+
+
+class GRPORun:
+    """One GRPO run (module docstring). Use it as an async context manager, or call :meth:`setup`
+    and :meth:`cleanup` yourself."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        callbacks: Sequence[Callback] | None = None,
+        resume: ResumeMode = "never",
+        out: IO[str] | None = None,
+        progress: bool = False,
+    ) -> None:
+        """``callbacks`` (default: :func:`~gymbridge.run.callbacks.default_callbacks`) get every report."""
+        self.config = config
+        self.callbacks = (
+            list(callbacks) if callbacks is not None else default_callbacks(out=out, progress=progress)
+        )
+        self.resume = resume
+        self.summary = RunSummary()
+        self.version = 0
+        """The trainer's policy version: optimizer steps so far (a resumed run's included)."""
+        self.first_step = 1
+        self.next_step = 1
+        self._stack = contextlib.AsyncExitStack()
+        self._started = 0.0
+        self._set_up = False
+        self._done_task_indices: frozenset[int] = frozenset()
+        self._resuming = False
+        self._checkpointed = 0
+        # set by setup()
+        self.run_dir: RunDir
+        self.model: RunModel
+        self.trainer: GRPOTrainer
+        self.bridge: BridgeIterator
+        self.services: Services
+        self.meter: PayloadMeter
+        self.shaping: TokenRateShaping | None = None
+        self.dp: Any = None
+        self._update: Callable[[TrainBatch], StepMetrics]
+        self._publish: Callable[[int], float] | None = None
+        """Hands the trainer's weights to the generator as a version (``None``: publication off)."""
+        self._model_url: str | None = None
+
+    @classmethod
+    def from_parts(
+        cls,
+        config: RunConfig,
+        *,
+        run_dir: RunDir,
+        model: RunModel,
+        trainer: GRPOTrainer,
+        bridge: BridgeIterator,
+        update: Callable[[TrainBatch], StepMetrics] | None = None,
+        publish: Callable[[int], float] | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> GRPORun:
+        """A run over parts built elsewhere, ready to :meth:`step` (no servers, no warm-up, no data file).
+
+        ``update`` defaults to ``trainer.step``; ``publish(version)`` hands the weights on (``None``:
+        nothing to publish to). For tests of the loop and for embedding the loop in another program;
+        :meth:`cleanup` closes the bridge and the callbacks.
+        """
+        from gymbridge.metrics import PayloadMeter
+
+        run = cls(config, callbacks=callbacks)
+        run.run_dir, run.model, run.trainer, run.bridge = run_dir, model, trainer, bridge
+        run.meter = PayloadMeter(enabled=False) if bridge.meter is None else bridge.meter
+        run._update = update if update is not None else trainer.step
+        run._publish = publish
+        run.summary.run_dir = str(run_dir.path)
+        run._started = time.perf_counter()
+        run._stack.callback(run._close_callbacks)
+        run._stack.push_async_callback(bridge.aclose)
+        for cb in run.callbacks:
+            cb.on_setup(run)
+        run._set_up = True
+        return run
+
+    # ------------------------------------------------------------------ messages
+    def say(self, text: str) -> None:
+        """Hand a line to every callback (the console prints it)."""
+        for cb in self.callbacks:
+            cb.on_message(text)
+
+    # ------------------------------------------------------------------ setup
+    async def __aenter__(self) -> GRPORun:
+        try:
+            await self.setup()
+        except BaseException:  # what setup started so far is stopped before the error goes on
+            await self.cleanup()
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.cleanup()
+
+    async def setup(self) -> None:
+        """Phases 1-6 of the module docstring; afterwards :meth:`step` can run."""
+        self._started = time.perf_counter()
+        self._stack.callback(self._close_callbacks)  # the first registered: closed last
+        self._setup_run_dir()
+        if self.summary.nothing_to_do:
+            return
+        spec = self._resolve_env()
+        self._setup_data(spec)
+        self._setup_model(spec)
+        await self._setup_trainer(spec)
+        await self._setup_services(spec)
+        self._setup_dp()
+        self._setup_bridge()
+        for cb in self.callbacks:
+            cb.on_setup(self)
+        self._set_up = True
+
+    def _setup_run_dir(self) -> None:
+        from gymbridge.trainer.checkpoint import latest_step
+
+        cfg = self.config
+        path = default_run_dir(cfg.env_label) if cfg.output.run_dir is None else Path(cfg.output.run_dir)
+        self.say(f"run dir: {path}")
+        run = RunDir(path)
+        done = latest_step(run.checkpoints_path)
+        if self.resume == "never":
+            if run.metrics() or done is not None:
+                raise ConfigError(
+                    [
+                        f"output.run_dir {path} already holds a run: continue it with --resume {path}, "
+                        "or pick another run directory"
+                    ]
+                )
+        elif done is None and self.resume == "must":
+            raise ResumeError(
+                path,
+                f"no checkpoint in {run.checkpoints_path}: the run stopped before its first one "
+                f"(checkpoint.every={cfg.checkpoint.every}), so there is nothing to continue from. Start it "
+                f"again in the same directory with --resume-or-start {path} (its earlier metrics and "
+                "failures "
+                "are kept in *.rewound.jsonl), or give a new --run-dir",
+            )
+        elif done is not None and done >= cfg.steps:
+            self.summary = RunSummary(run_dir=str(path), nothing_to_do=True, resumed_from_step=done)
+            self.say(f"nothing left to run: the checkpoint holds all {cfg.steps} step(s) of {path}")
+            return
+        self.run_dir = RunDir.create(path)
+        self.summary.run_dir = str(path)
+        self.config = cfg = cfg.model_copy(
+            update={"output": cfg.output.model_copy(update={"run_dir": str(path)})}
+        )
+        self._resuming = done is not None
+        if not self._resuming:
+            moved = self.run_dir.set_aside()
+            if moved:
+                self.say(
+                    f"no checkpoint in {path}: starting afresh ({moved} earlier lines in *.rewound.jsonl)"
+                )
+            self.run_dir.write_config(cfg.model_dump(mode="json"))
+
+    def _resolve_env(self) -> Any:
+        """The environment's spec (``None``: an agent of the user's own holds the environment)."""
+        from gymbridge.run.userenv import resolve_env
+
+        cfg = self.config
+        if cfg.env.agent_url is not None:
+            return None
+        if cfg.env.name is None:
+            raise ConfigError(["env.name: what to train on: --env NAME|module:Class, or --agent-url URL"])
+        return resolve_env(cfg.env.name)
+
+    def _setup_data(self, spec: Any) -> None:
+        from gymbridge.run.data import count_rows, write_dataset
+        from gymbridge.run.userenv import UserEnv
+
+        cfg = self.config
+        path = self.run_dir.dataset_path
+        if self._resuming and path.is_file():
+            self.say(f"dataset: {count_rows(path)} rows (the run's own) -> {path}")
+            return
+        if cfg.data.path is None and (spec is None or isinstance(spec, UserEnv)):
+            where = cfg.env.agent_url or cfg.env.name
+            raise ConfigError([f"{where}: no data generator here; give data.path (NeMo Gym rows: --dataset)"])
+        n, origin = write_dataset(cfg, spec, path)
+        self.say(f"dataset: {n} rows ({origin}) -> {path}")
+
+    def _setup_model(self, spec: Any) -> None:
+        from gymbridge.bridge import TokenRateShaping
+        from gymbridge.metrics import PayloadMeter
+        from gymbridge.run.model import pick_model, require_vllm
+
+        cfg = self.config
+        if cfg.model.backend == "vllm":
+            require_vllm()
+        modalities = tuple(spec.modalities) if spec is not None else ("image",)
+        self.model = pick_model(cfg.model.name, cfg.model.seed, modalities, cfg.model.backend)
+        origin = "random weights, offline" if self.model.tiny else "local directory"
+        self.say(f"model: {self.model.name} ({origin})")
+        t = cfg.trainer
+        schedule = "constant" if not t.lr_scheduled else f"{t.lr_schedule}, warm-up {t.lr_warmup_steps}"
+        self.say(
+            f"trainer: lr {t.lr:g} ({schedule}), adam_eps {t.adam_eps:g}, G={cfg.bridge.group_size} x "
+            f"{cfg.bridge.prompts_per_step} prompts, kl_coef {t.kl_coef:g}, {t.dtype}; warm-up "
+            f"{cfg.warmup.steps} step(s); shaping {cfg.shaping.kind} (config.yaml has every setting)"
+        )
+        self.meter = PayloadMeter(enabled=cfg.output.payload_metrics)
+        self.shaping = TokenRateShaping.from_config(cfg.shaping, self.model.tokenizer)
+        if self.shaping is not None:
+            self.say(
+                f"shaping: toy dense reward added to the env reward: {self.shaping.weight:g} x fraction of "
+                f"generated tokens made of {self.shaping.chars!r} ({len(self.shaping.token_ids)} token ids)"
+            )
+
+    async def _setup_trainer(self, spec: Any) -> None:
+        from gymbridge.trainer import GRPOTrainer
+        from gymbridge.trainer.checkpoint import load_checkpoint
+
+        cfg = self.config
+        policy = self.model.policy
+        dtype = cfg.trainer.torch_dtype
+        if self._resuming:  # the checkpoint holds weights and optimizer state in the trainer's dtype
+            policy.to(dtype)
+        # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
+        self.trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.bridge.max_staleness == 0)
+        if self._resuming:
+            state = load_checkpoint(self.run_dir.checkpoints_path, trainer=self.trainer)
+            assert state is not None  # latest_step() found it
+            moved = self.run_dir.rewind(last_step=state.step, done_task_indices=state.done_task_indices)
+            self.version = state.policy_version
+            self.first_step = self.next_step = state.step + 1
+            self.summary.resumed_from_step = state.step
+            self._done_task_indices = state.done_task_indices
+            self.say(
+                f"resumed: step {state.step}/{cfg.steps}, policy version {state.policy_version}, "
+                f"{len(state.done_task_indices)} row(s) done ({state.path.name})"
+                + (f"; {moved} later line(s) set aside in *.rewound.jsonl" if moved else "")
+            )
+            return
+        if spec is not None and cfg.warmup.steps > 0:
+            await self._warmup(spec)
+        if self.trainer.reference is not None:  # KL to the policy RL starts from: the warmed-up one
+            self.trainer.freeze_reference()
+        policy.to(dtype)  # in place (the optimizer's parameters stay the same objects; no state yet)
+        if cfg.trainer.dtype != "float32":
+            self.say(f"policy dtype: {cfg.trainer.dtype} (trainer, reference and generator)")
+
+    async def _warmup(self, spec: Any) -> None:
+        from gymbridge.generation.hf import HFGenerator
+        from gymbridge.run.warmup import warmup_for_env
+
+        cfg = self.config
+        # trains the trainer's policy (rendered as the generator renders); v0 publication copies it over
+        renderer = HFGenerator(self.model.policy, self.model.processor, max_model_len=cfg.model.max_model_len)
+        warm = await asyncio.to_thread(
+            warmup_for_env,
+            spec,
+            cfg.env.params,
+            self.model.policy,
+            renderer,
+            cfg.warmup,
+            forced_first_call=cfg.rollout.force_first_call,
+        )
+        if warm is not None and warm.examples == 0:
+            self.say(
+                f"format warm-up: nothing to train, its {warm.skipped} target(s) are all the forced "
+                "first call (never sampled)"
+            )
+        elif warm is not None:
+            self.say(
+                f"format warm-up: {warm.steps} supervised steps, {warm.examples} image-independent targets"
+                + (f" ({warm.skipped} of the forced first call left out)" if warm.skipped else "")
+                + f", loss {warm.first_loss:.3f} -> {warm.last_loss:.3f} ({warm.elapsed_s:.1f}s)"
+            )
+
+    async def _setup_services(self, spec: Any) -> None:
+        from gymbridge.run.services import start_services
+
+        cfg = self.config
+        max_turns = cfg.rollout.max_turns or (spec.max_turns if spec is not None else 1)
+        self.services = await start_services(
+            cfg,
+            self._stack,
+            model=self.model,
+            spec=spec,
+            max_turns=max_turns,
+            run_path=self.run_dir.path,
+            meter=self.meter,
+        )
+        self.summary.urls = dict(self.services.urls)
+        handle = self.services.generator
+        self.summary.model_server_pid = handle.pid
+        self._model_url = handle.model_url
+        if handle.publisher is not None:
+            self._publish = functools.partial(handle.publish, self.model.policy)
+        for note in self.services.notes:
+            self.say(note)
+        self.say("servers: " + ", ".join(f"{k} {v}" for k, v in self.services.urls.items()))
+        # version 0: the initial weights (a resumed run: its checkpoint's weights and version)
+        sync_s = await asyncio.to_thread(handle.publish, self.model.policy, self.version)
+        where = "in this process" if handle.placement == "in_process" else f"process {handle.pid}"
+        if handle.publisher is None:
+            self.say(f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)")
+        else:
+            how = "copy" if handle.placement == "in_process" else "torch.distributed broadcast"
+            self.say(
+                f"generator: {where}; weights published after every step ({how}); "
+                f"v{self.version} in {sync_s:.3f}s"
+            )
+
+    def _setup_dp(self) -> None:
+        cfg = self.config
+        self._update = self.trainer.step
+        if cfg.dp.workers == 0:
+            return
+        from gymbridge.trainer.models import from_config
+        from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
+
+        try:
+            ray = require_ray()
+        except ImportError as exc:
+            raise ConfigError([f"dp.workers={cfg.dp.workers}: {exc}"]) from exc
+        if not ray.is_initialized():
+            init_ray(cfg.dp.ray_num_cpus, address=cfg.dp.ray_address)
+            self._stack.callback(ray.shutdown)  # ours: stopped after the workers (LIFO)
+        policy = self.model.policy
+        self.dp = RayDPTrainer(
+            self.trainer,
+            functools.partial(from_config, type(policy), policy.config),
+            cfg.dp.workers,
+            meter=self.meter,
+        )
+        self._stack.callback(self.dp.shutdown)
+        self._update = self.dp.step
+        self.say(
+            f"data parallel: {cfg.dp.workers} Ray worker(s) in one torch.distributed group "
+            f"({self.dp.backend}, {self.dp.num_gpus:g} GPU each); gradients all-reduced in the group, "
+            "rank 0's weights published"
+        )
+
+    def _setup_bridge(self) -> None:
+        from gymbridge.bridge import BridgeIterator
+        from gymbridge.media import MediaPolicy
+        from gymbridge.tensors import MediaProcessor
+
+        cfg = self.config
+        hosts = self.services.media_hosts
+        bridge_cfg = cfg.bridge
+        if cfg.bridge.max_staleness == 0 and cfg.trainer.ratio_tolerance is not None:
+            # on-policy with the drift guard on, a lagging generator must fail the step loudly
+            bridge_cfg = bridge_cfg.model_copy(update={"drop_stale": False})
+        self.bridge = BridgeIterator(
+            self.run_dir.dataset_path,
+            self.services.source,
+            MediaProcessor(self.model.processor),
+            bridge_cfg,
+            failures_path=self.run_dir.failures_path,
+            meter=self.meter,
+            media_policy=MediaPolicy(media_hosts=hosts) if hosts else None,
+            placeholder_token_ids=list(self.model.placeholder_token_ids),
+            reward_fn=self.shaping,
+            skip_task_indices=self._done_task_indices,
+        )
+        self._stack.push_async_callback(self.bridge.aclose)
+
+    # ------------------------------------------------------------------ the loop
+    async def step(self) -> StepReport | None:
+        """One step (module docstring); ``None`` when the data ran out."""
+        if not self._set_up:
+            raise RuntimeError("GRPORun.step() before setup()")
+        cfg = self.config
+        started = time.perf_counter()
+        payload_before = self.meter.report()
+        try:
+            got = await self.bridge.next_batch(self.version)
+        except StopAsyncIteration:
+            return None
+        batched = time.perf_counter()
+        metrics = await asyncio.to_thread(self._update, got.batch)
+        trained = time.perf_counter()
+        sync_s = 0.0
+        published = False
+        if metrics.skipped is None:  # the optimizer stepped: a new policy version
+            self.version += 1
+            if self._publish is not None:
+                sync_s = await asyncio.to_thread(self._publish, self.version)
+                published = True
+        metrics = replace(metrics, policy_version=self.version, weight_sync_s=sync_s)
+        env_mean, bonus_mean = group_rewards(got.groups)
+        step = self.next_step
+        self.next_step += 1
+        synced = time.perf_counter()
+        report = StepReport(
+            step=step,
+            total_steps=cfg.steps,
+            metrics=metrics,
+            batch=got,
+            policy_version=self.version,
+            published=published,
+            weight_sync_s=sync_s,
+            step_s=synced - started,
+            env_reward_mean=env_mean,
+            shaping_reward_mean=bonus_mean,
+            shaped=self.shaping is not None,
+            payload=payload_delta(payload_before, self.meter.report()),
+            timing={
+                "batch": batched - started,
+                "train": trained - batched,
+                "publish": synced - trained,
+                "other": 0.0,
+            },
+            dp=self._dp_keys(),
+        )
+        record = report.record()
+        await asyncio.to_thread(self._report, report, record)
+        if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+            await self.save_checkpoint(step)
+        return report
+
+    def _report(self, report: StepReport, record: dict[str, Any]) -> None:
+        self.summary.add(report, record)
+        for cb in self.callbacks:
+            cb.on_step(report, record)
+
+    def _dp_keys(self) -> dict[str, Any]:
+        if self.dp is None:
+            return {}
+        return {
+            "dp_backend": self.dp.backend,
+            "dp_world_size": self.dp.num_workers,
+            "dp_shard_tokens": list(self.dp.last_shard_tokens),
+            "dp_media_dtypes": dict(self.dp.last_media_dtypes),
+            "dp_weights_s": self.dp.last_weights_s,
+        }
+
+    async def save_checkpoint(self, step: int) -> Path:
+        """Write the checkpoint of ``step`` (weights, optimizer, RNG, the rows done)."""
+        from gymbridge.trainer.checkpoint import save_checkpoint
+
+        if self.dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
+            await asyncio.to_thread(self.dp.pull_optimizer_state)
+        self._checkpointed = step
+        return await asyncio.to_thread(
+            save_checkpoint,
+            self.run_dir.checkpoints_path,
+            step=step,
+            policy_version=self.version,
+            trainer=self.trainer,
+            done_task_indices=set(self.bridge.done_task_indices),
+            keep=self.config.checkpoint.keep_last,
+        )
+
+    async def train(self) -> RunSummary:
+        """Run the remaining steps, then say the summary; returns the :class:`RunSummary`."""
+        if self.summary.nothing_to_do:
+            return self.summary
+        while self.next_step <= self.config.steps:
+            if await self.step() is None:
+                self.say(f"the dataset ran out after {self.next_step - 1} step(s)")
+                break
+        last = self.next_step - 1
+        if last >= self.first_step and self._checkpointed != last:
+            await self.save_checkpoint(last)  # a run's last step always has its checkpoint
+        await self._finish()
+        return self.summary
+
+    async def _finish(self) -> None:
+        cfg = self.config
+        s = self.summary
+        if self._model_url is not None:
+            s.model_media_cache = await _model_media_cache(self._model_url, self.say)
+        s.rollouts_ok = self.bridge.stats.rollouts_ok
+        s.rollouts_failed = self.bridge.stats.rollouts_failed
+        s.bridge_stats = self.bridge.stats.as_dict()
+        if s.steps:
+            first, last = s.env_rewards[0], s.env_rewards[-1]
+            if self.shaping is not None:
+                shaped_first, shaped_last = first + s.shaping_rewards[0], last + s.shaping_rewards[-1]
+                self.say(
+                    f"\nshaped reward {shaped_first:.3f} -> {shaped_last:.3f} over {len(s.steps)} steps "
+                    f"(toy token_rate {self.shaping.chars!r}); env reward {first:.3f} -> {last:.3f}"
+                )
+            else:
+                self.say(f"\nenv reward {first:.3f} -> {last:.3f} over {len(s.steps)} steps")
+        if cfg.output.payload_metrics:
+            s.payload_table = self.meter.table()
+            self.say("\npayload per boundary (pickle-5 bytes; ratio = logical / physical media bytes):")
+            self.say(s.payload_table)
+        s.elapsed_s = time.perf_counter() - self._started
+        st = s.bridge_stats
+        stale = f", {st['groups_dropped_stale']} stale" if st.get("groups_dropped_stale") else ""
+        skipped = sum(1 for m in s.steps if m.skipped is not None)
+        dropped = st.get("groups_zero_variance_dropped", 0)
+        self.say(
+            f"\ndone: {len(s.steps)} step(s)"
+            + (f" ({skipped} skipped: no learning signal)" if skipped else "")
+            + f", {s.rollouts_ok} rollouts ok, {s.rollouts_failed} failed ({st.get('groups_failed', 0)} "
+            f"failed group(s), {st.get('groups_zero_variance', 0)} zero-variance{stale}"
+            + (f", {dropped} zero-variance dropped by dynamic sampling" if dropped else "")
+            + f"), {s.elapsed_s:.1f}s total; metrics: {self.run_dir.metrics_path}, "
+            f"failures: {self.run_dir.failures_path}"
+        )
+        await asyncio.to_thread(self._end)
+
+    def _end(self) -> None:
+        for cb in self.callbacks:
+            cb.on_end(self.summary)
+
+    # ------------------------------------------------------------------ cleanup
+    async def cleanup(self) -> None:
+        """Stop everything the run started (LIFO), close the callbacks."""
+        self._set_up = False
+        await self._stack.aclose()
+        if not self.summary.elapsed_s:
+            self.summary.elapsed_s = time.perf_counter() - self._started
+
+    def _close_callbacks(self) -> None:
+        for cb in self.callbacks:
+            cb.close()
+
+
+async def _model_media_cache(model_url: str, say: Callable[[str], None]) -> dict[str, Any]:
+    """The model server's ``GET /media_cache`` counters, said as one line ({} when unavailable)."""
+    import httpx
+
+    try:
+        async with httpx.AsyncClient(timeout=10, trust_env=False) as http:
+            reply = await http.get(f"{model_url}/media_cache")
+        stats: dict[str, Any] = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        stats = {}
+    kinds = stats.get("kinds") or {}
+    if kinds:
+        shown = ", ".join(f"{kind} {k['misses']} miss / {k['hits']} hit" for kind, k in sorted(kinds.items()))
+        say(
+            f"model server media cache (once per content key): {shown}; "
+            f"{stats.get('bytes', 0) / 2**20:.1f} MiB held"
+        )
+    return stats
+
+
+def train(
+    config: RunConfig,
+    *,
+    callbacks: Sequence[Callback] | None = None,
+    resume: ResumeMode = "never",
+    out: IO[str] | None = None,
+    progress: bool = False,
+) -> RunSummary:
+    """Run ``config`` to the end on an event loop of its own; every server is stopped on return.
+
+    ``gymbridge train`` is this function; see :class:`GRPORun` for the phases and ``resume``.
+    """
+
+    async def go() -> RunSummary:
+        async with GRPORun(config, callbacks=callbacks, resume=resume, out=out, progress=progress) as run:
+            return await run.train()
+
+    return asyncio.run(go())

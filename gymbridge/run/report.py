@@ -1,0 +1,180 @@
+"""What a run reports: one :class:`StepReport` per step, one :class:`RunSummary` at the end.
+
+:meth:`GRPORun.step <gymbridge.run.recipe.GRPORun.step>` builds a :class:`StepReport` from what
+the step itself returned (the bridge's :class:`~gymbridge.bridge.BridgeBatch`, the trainer's
+:class:`~gymbridge.trainer.StepMetrics`, the publication's seconds, the phase timings) and hands
+it to every callback; nothing downstream reads counters off the bridge or the trainer.
+:meth:`StepReport.record` is the step's one ``metrics.jsonl`` line: adding a metric is adding it
+there.
+
+Invariants: a record holds every :class:`~gymbridge.trainer.StepMetrics` field as is, plus the
+run's keys below; ``timing`` holds the step's phases in seconds, and they add up to ``step_s``
+(``other`` is the rest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from gymbridge.bridge import BridgeBatch, GroupResult
+    from gymbridge.metrics import BoundaryTotals
+    from gymbridge.trainer.grpo import StepMetrics
+
+__all__ = ["RunSummary", "StepReport", "group_rewards", "payload_delta"]
+
+
+def payload_delta(
+    before: Mapping[str, BoundaryTotals], after: Mapping[str, BoundaryTotals]
+) -> dict[str, dict[str, int]]:
+    """Bytes recorded per boundary between two :meth:`~gymbridge.metrics.PayloadMeter.report` s."""
+    out: dict[str, dict[str, int]] = {}
+    for name, t in after.items():
+        b = before.get(name)
+        out[name] = {
+            "serialized_bytes": t.serialized_bytes - (b.serialized_bytes if b else 0),
+            "physical_media_bytes": t.physical_media_bytes - (b.physical_media_bytes if b else 0),
+            "logical_media_bytes": t.logical_media_bytes - (b.logical_media_bytes if b else 0),
+        }
+    return out
+
+
+def group_rewards(groups: list[GroupResult]) -> tuple[float, float]:
+    """Mean environment reward and mean shaping bonus over the trained trajectories of ``groups``."""
+    env: list[float] = []
+    bonus: list[float] = []
+    for g in groups:
+        if g.batch is None:
+            continue
+        for traj in g.trajectories:
+            base = float(traj.metadata.get("env_reward", traj.reward))
+            env.append(base)
+            bonus.append(float(traj.reward) - base)
+    if not env:
+        return 0.0, 0.0
+    return sum(env) / len(env), sum(bonus) / len(bonus)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step of a run, as every callback sees it."""
+
+    step: int
+    total_steps: int
+    metrics: StepMetrics
+    """The trainer's metrics (``policy_version`` and ``weight_sync_s`` filled in)."""
+    batch: BridgeBatch
+    """The batch trained, its groups and the groups dropped while it was assembled."""
+    policy_version: int
+    """The trainer's version after the step (the one published, if any)."""
+    published: bool
+    """Whether new weights went to the generator after this step."""
+    weight_sync_s: float
+    step_s: float
+    """Wall seconds of the whole step: waiting for the batch, training, publishing, reporting."""
+    env_reward_mean: float
+    shaping_reward_mean: float
+    shaped: bool
+    """Whether the run adds toy shaping to the environment's reward."""
+    payload: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bytes each boundary recorded during this step (:func:`payload_delta`)."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """Seconds per phase of the step (``batch``, ``train``, ``publish``, ``checkpoint``, ``other``)."""
+    dp: dict[str, Any] = field(default_factory=dict)
+    """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
+
+    @property
+    def skipped(self) -> str | None:
+        """Why the optimizer did not step (``StepMetrics.skipped``), or ``None``."""
+        return self.metrics.skipped
+
+    def record(self) -> dict[str, Any]:
+        """The step's ``metrics.jsonl`` record (module docstring).
+
+        Beside the :class:`~gymbridge.trainer.StepMetrics` fields: ``task_indices`` (the rows
+        trained, batch order), ``media_keys`` (content keys of the trained media, sorted, each
+        once), ``media_tensors`` (the batch's media tensors by modality),
+        ``groups_zero_variance_dropped`` / ``zero_variance_task_indices`` (groups dynamic
+        sampling left out, each also in ``failures.jsonl``), ``staleness_max`` (the largest
+        ``policy version - oldest turn version`` among the trained groups), ``payload`` and
+        ``timing``.
+        """
+        groups = self.batch.groups
+        keys: set[str] = set()
+        for g in groups:
+            for traj in g.trajectories:
+                for turn in traj.turns:
+                    keys.update(m.key for m in turn.media)
+        record: dict[str, Any] = {"step": self.step}
+        record.update(self.metrics.as_dict())
+        record.update(
+            {
+                "policy_version": self.policy_version,
+                "published": self.published,
+                "env_reward_mean": self.env_reward_mean,
+                "shaping_reward_mean": self.shaping_reward_mean,
+                "staleness_max": max((g.staleness for g in groups), default=0),
+                "rollouts_ok": self.batch.rollouts_ok,
+                "rollouts_failed": self.batch.rollouts_failed,
+                "groups_dropped_stale": len(self.batch.dropped_stale),
+                "groups_zero_variance": sum(_zero_variance(g) for g in groups),
+                "groups_zero_variance_dropped": len(self.batch.dropped_zero_variance),
+                "zero_variance_task_indices": [g.task_index for g in self.batch.dropped_zero_variance],
+                "task_indices": self.batch.task_indices,
+                "media_keys": sorted(keys),
+                "media_tensors": self.batch.batch.media_keys(),
+                "weight_sync_s": self.weight_sync_s,
+                "step_s": self.step_s,
+                "payload": {k: dict(v) for k, v in self.payload.items()},
+                "timing": dict(self.timing),
+                **self.dp,
+            }
+        )
+        return record
+
+
+def _zero_variance(group: GroupResult) -> bool:
+    from gymbridge.bridge.iterator import zero_variance
+
+    return zero_variance(group)
+
+
+@dataclass
+class RunSummary:
+    """What a run did, at its end (what the console's last lines print; kept for tests and scripts)."""
+
+    run_dir: str = ""
+    steps: list[StepMetrics] = field(default_factory=list)
+    """This process's steps (a resumed run: the steps it ran)."""
+    env_rewards: list[float] = field(default_factory=list)
+    """Mean environment reward of each step's trained rollouts."""
+    shaping_rewards: list[float] = field(default_factory=list)
+    """Mean shaping bonus of each step's trained rollouts (0.0 without shaping)."""
+    media_keys: list[dict[str, list[str]]] = field(default_factory=list)
+    """Each step's trained media tensors by modality (``TrainBatch.media_keys()``)."""
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """This process's ``metrics.jsonl`` records."""
+    rollouts_ok: int = 0
+    rollouts_failed: int = 0
+    bridge_stats: dict[str, Any] = field(default_factory=dict)
+    payload_table: str = ""
+    model_media_cache: dict[str, Any] = field(default_factory=dict)
+    """The model server's media cache counters at the end (``GET /media_cache``; Gym path)."""
+    urls: dict[str, str] = field(default_factory=dict)
+    """The servers the run started (all stopped when it returns)."""
+    resumed_from_step: int = 0
+    elapsed_s: float = 0.0
+    model_server_pid: int | None = None
+    """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
+    nothing_to_do: bool = False
+    """A resumed run that had already done all its steps (it started nothing)."""
+
+    def add(self, report: StepReport, record: dict[str, Any]) -> None:
+        """Account one step."""
+        self.steps.append(report.metrics)
+        self.env_rewards.append(report.env_reward_mean)
+        self.shaping_rewards.append(report.shaping_reward_mean)
+        self.media_keys.append(report.batch.batch.media_keys())
+        self.records.append(record)

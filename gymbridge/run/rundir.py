@@ -1,0 +1,188 @@
+"""The run directory: one folder per training run that holds everything the run produced.
+
+Layout (``gymbridge train --run-dir DIR``; default ``runs/<env>-<UTC timestamp>/``)::
+
+    DIR/config.yaml       the resolved config (every default filled in); --resume reads it back
+    DIR/dataset.jsonl     the rows the run trains on
+    DIR/metrics.jsonl     one JSON object per step (:meth:`~gymbridge.run.report.StepReport.record`)
+    DIR/failures.jsonl    one JSON object per failed rollout / group (always present, empty if none)
+    DIR/checkpoints/      run checkpoints (see :mod:`gymbridge.trainer.checkpoint`)
+    DIR/*.rewound.jsonl   lines a resume took out of metrics.jsonl / failures.jsonl (never deleted)
+
+Invariants:
+
+* a run directory is never deleted by the run that made it (it outlives the process), and no
+  line a run wrote is ever lost: a rewrite moves lines, it never drops them;
+* ``metrics.jsonl`` holds one line per step; a step's line is appended (and flushed) once the
+  step is done, before the step's checkpoint is written, so after a crash every checkpointed
+  step has its line. :meth:`RunDir.rewind` (``--resume``) moves the lines of steps after the
+  checkpoint (and a torn last line) to ``metrics.rewound.jsonl``, so each step number appears once
+  in ``metrics.jsonl`` of a resumed run;
+* ``failures.jsonl`` is rewound the same way: only the records of rows the checkpoint counts as
+  done stay (a row in flight at the crash runs again and records its failures again); the others
+  move to ``failures.rewound.jsonl``;
+* every rewrite is atomic (:func:`gymbridge.safe_io.write_atomic`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import yaml
+
+from gymbridge.errors import ConfigError
+from gymbridge.safe_io import write_atomic
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunDir", "default_run_dir"]
+
+RUNS_ROOT = Path("runs")
+
+
+def default_run_dir(env: str, *, root: Path = RUNS_ROOT, now: dt.datetime | None = None) -> Path:
+    """``<root>/<env>-<UTC timestamp>`` (``-2``, ``-3``, ... appended if that already exists)."""
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
+    base = root / f"{env}-{stamp}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of ``path``; a line that does not parse (torn by a crash) is skipped."""
+    if not path.is_file():
+        return []
+    out: list[dict[str, Any]] = []
+    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            logger.warning("%s:%d: not JSON (torn by a crash?); dropped", path, lineno)
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run directory; :meth:`create` makes it (idempotent)."""
+
+    path: Path
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def dataset_path(self) -> Path:
+        return self.path / "dataset.jsonl"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def failures_path(self) -> Path:
+        return self.path / "failures.jsonl"
+
+    @property
+    def checkpoints_path(self) -> Path:
+        return self.path / "checkpoints"
+
+    @classmethod
+    def create(cls, path: str | Path) -> RunDir:
+        """Make ``path`` with ``checkpoints/`` and an (empty) ``failures.jsonl``; keep what exists."""
+        run = cls(Path(path))
+        try:
+            run.checkpoints_path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError([f"run_dir: cannot create {run.path}: {exc.strerror or exc}"]) from exc
+        run.failures_path.touch(exist_ok=True)
+        return run
+
+    # ------------------------------------------------------------------ config
+    def write_config(self, data: Mapping[str, Any]) -> None:
+        text = yaml.safe_dump(dict(data), sort_keys=False, allow_unicode=True)
+        write_atomic(self.config_path, [text.encode()])
+
+    def read_config(self) -> dict[str, Any]:
+        """The saved config as a mapping (:class:`ConfigError` naming the file if it is missing or bad)."""
+        where = str(self.config_path)
+        try:
+            data = yaml.safe_load(self.config_path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError([f"not a run directory: {exc.strerror or exc}"], source=where) from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError([f"invalid YAML: {exc}"], source=where) from exc
+        if not isinstance(data, dict):
+            raise ConfigError(["top level must be a mapping"], source=where)
+        return data
+
+    # ------------------------------------------------------------------ metrics
+    def append_metrics(self, record: Mapping[str, Any]) -> None:
+        """Append one step's record (a whole line in one write, flushed)."""
+        with self.metrics_path.open("ab") as f:
+            f.write(orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+            f.flush()
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return _json_lines(self.metrics_path)
+
+    def failures(self) -> list[dict[str, Any]]:
+        return _json_lines(self.failures_path)
+
+    def rewind(self, *, last_step: int, done_task_indices: Iterable[int]) -> int:
+        """Set aside what happened after a checkpoint; returns the number of lines moved.
+
+        Metrics of steps after ``last_step`` (and lines that do not parse, torn by a crash) move to
+        ``metrics.rewound.jsonl``; failure records of rows not in ``done_task_indices`` move to
+        ``failures.rewound.jsonl``. Nothing is deleted.
+        """
+        done = set(done_task_indices)
+        moved = self._split(
+            self.metrics_path, lambda r: isinstance(r.get("step"), int) and r["step"] <= last_step
+        )
+        moved += self._split(self.failures_path, lambda r: r.get("task_index") in done)
+        return moved
+
+    def set_aside(self) -> int:
+        """Move every metrics and failure line to the ``*.rewound.jsonl`` files (a run started afresh
+        in a directory whose earlier attempt left no checkpoint); returns the number of lines moved."""
+        return self._split(self.metrics_path, lambda r: False) + self._split(
+            self.failures_path, lambda r: False
+        )
+
+    def _split(self, path: Path, keep: Any) -> int:
+        """Keep the lines of ``path`` for which ``keep(record)`` holds; append the rest to its
+        ``.rewound.jsonl`` sibling (that file first, so a crash in between duplicates, never loses)."""
+        if not path.is_file():
+            return 0
+        kept: list[bytes] = []
+        moved: list[bytes] = []
+        for line in path.read_bytes().splitlines():
+            if not line.strip():
+                continue
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                record = None
+            (kept if isinstance(record, dict) and keep(record) else moved).append(line + b"\n")
+        if moved:
+            aside = path.with_name(path.name.removesuffix(".jsonl") + ".rewound.jsonl")
+            with aside.open("ab") as f:
+                f.writelines(moved)
+                f.flush()
+            write_atomic(path, kept)
+        return len(moved)
