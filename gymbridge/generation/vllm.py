@@ -386,6 +386,7 @@ class VLLMGenerator:
         """The feature extractor's rate: audio is handed to vLLM mono at it (:func:`audio_for_vllm`)."""
         self._weights_ready = asyncio.Event()
         self._weights_ready.set()
+        self._swap_lock = asyncio.Lock()  # one weight swap at a time
         if processor is None and load_processor:
             try:
                 import transformers
@@ -498,20 +499,21 @@ class VLLMGenerator:
         (running requests are preempted and later recomputed under the new weights), then
         ``reset_encoder_cache()``. A reset vLLM refuses raises :class:`WeightSyncError`.
         Generation resumes whatever happens; requests submitted meanwhile wait, then record
-        ``version`` (set only once the caches are reset).
+        ``version`` (set only once the caches are reset). Concurrent swaps run one at a time.
         """
-        self._weights_ready.clear()
-        try:
-            await self.engine.pause_generation(mode="keep", clear_cache=False)
+        async with self._swap_lock:
+            self._weights_ready.clear()
             try:
-                await load()
-                await self._drop_stale_caches()
-                if version is not None:
-                    self.policy_version = version
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await load()
+                    await self._drop_stale_caches()
+                    if version is not None:
+                        self.policy_version = version
+                finally:
+                    await self.engine.resume_generation()
             finally:
-                await self.engine.resume_generation()
-        finally:
-            self._weights_ready.set()
+                self._weights_ready.set()
 
     async def _drop_stale_caches(self) -> None:
         try:
