@@ -47,6 +47,8 @@ def test_the_lock_pins_the_tested_vllm_and_its_torch() -> None:
     assert pins["torch"] == "2.14.0" and pins["transformers"].startswith("5.20.")
     for base in ("av", "soundfile", "tenacity", "omegaconf", "pydantic", "httpx"):
         assert base in pins, f"gymbridge's base dependency {base} is missing from the lock"
+    # pip freeze leaves setuptools out unless --all; torch 2.14 requires setuptools>=77 (pip check)
+    assert int(pins["setuptools"].split(".")[0]) >= 77
 
 
 def test_missing_interpreter_fails_clearly_and_keeps_the_existing_venv(tmp_path: Path) -> None:
