@@ -3,7 +3,8 @@
 #   bash scripts/test.sh            # lint + types + default tests
 #   bash scripts/test.sh -k media   # extra args go to pytest
 # Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed. The genuine
-# nemo-gym venv (.venv-gym) is built in the background meanwhile (its log is printed before pytest).
+# nemo-gym venv (.venv-gym) and the real vLLM venv (.venv-vllm, scripts/setup_vllm_venv.sh) are built
+# in the background meanwhile (their logs are printed before pytest; GYMBRIDGE_SKIP_VLLM=1 skips it).
 # The plain command runs the default tests on GYMBRIDGE_TEST_WORKERS pytest-xdist workers (default:
 # the CPU count, at most 4; 1 = serial), one test file per worker; with arguments, pytest runs
 # exactly them (add `-n 2` for parallel). The learning tests (-m learning) come last, on 2 workers.
@@ -25,9 +26,18 @@ if [ -x scripts/setup_gym_venv.sh ] && [ "${GYMBRIDGE_SKIP_GYM:-0}" != "1" ]; th
     mkdir -p "$ROOT/.cache"
     bash scripts/setup_gym_venv.sh >"$GYM_LOG" 2>&1 &
     gym_pid=$!
-    # an early exit (a failed install, lint) waits for it rather than leaving it building alone
-    trap 'if [ -n "$gym_pid" ]; then wait "$gym_pid" 2>/dev/null || true; fi' EXIT
 fi
+# Real vLLM venv for the vllm conformance suite (tests/vllm; skips itself when up to date), also
+# built in the background: mostly unpacking vLLM's CUDA torch and kernels (several GB).
+vllm_pid=""
+VLLM_LOG="$ROOT/.cache/vllm-setup.log"
+if [ -x scripts/setup_vllm_venv.sh ] && [ "${GYMBRIDGE_SKIP_VLLM:-0}" != "1" ]; then
+    mkdir -p "$ROOT/.cache"
+    bash scripts/setup_vllm_venv.sh >"$VLLM_LOG" 2>&1 &
+    vllm_pid=$!
+fi
+# an early exit (a failed install, lint) waits for them rather than leaving them building alone
+trap 'for p in $gym_pid $vllm_pid; do wait "$p" 2>/dev/null || true; done' EXIT
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "== creating $VENV"
@@ -86,6 +96,13 @@ if [ -n "$gym_pid" ]; then
     cat "$GYM_LOG"
     [ $gym_rc -eq 0 ] || echo "!! gym venv setup failed: the gym suite will be skipped"
     gym_pid=""
+fi
+if [ -n "$vllm_pid" ]; then
+    vllm_rc=0
+    wait "$vllm_pid" || vllm_rc=$?
+    cat "$VLLM_LOG"
+    [ $vllm_rc -eq 0 ] || echo "!! vllm venv setup failed: the vllm suite will be skipped"
+    vllm_pid=""
 fi
 parallel=()
 workers=${GYMBRIDGE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}

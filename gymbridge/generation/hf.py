@@ -75,7 +75,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFGenerator", "suppress_logits"]
+__all__ = ["HFGenerator", "image_placeholder_token", "suppress_logits"]
 
 
 _PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
@@ -83,6 +83,33 @@ _PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
 
 def _constant(value: Any) -> Callable[[], Any]:
     return lambda: value
+
+
+def image_placeholder_token(path: str, tokenizer: Any) -> str | None:
+    """The token a model's prompts spell an image placeholder with, or ``None`` if it has none.
+
+    Read from the saved config's image placeholder id (``image_token_id`` /
+    ``image_token_index``, on the config, its ``text_config`` or a Qwen2.5-Omni
+    ``thinker_config``) through ``tokenizer``: Qwen2-VL's ``<|image_pad|>``, Qwen2.5-Omni's
+    ``<|IMAGE|>``. Without a config, ``<|image_pad|>`` when the vocabulary has it.
+    """
+    import transformers
+
+    from gymbridge.generation.types import model_sub_configs
+
+    vocab = tokenizer.get_vocab()
+    try:
+        config: Any = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        config = None
+    for cfg in model_sub_configs(config) if config is not None else []:
+        for attr in ("image_token_id", "image_token_index"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                token = tokenizer.convert_ids_to_tokens(value)
+                if isinstance(token, str) and vocab.get(token) == value:
+                    return token
+    return "<|image_pad|>" if "<|image_pad|>" in vocab else None
 
 
 def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
@@ -174,9 +201,11 @@ class HFGenerator:
     ) -> HFGenerator:
         """Load a model and its processor from a local directory (no hub access).
 
-        Uses ``AutoProcessor``; where that cannot load (Qwen2-VL's full processor needs
-        torchvision for video), falls back to ``AutoTokenizer`` + ``AutoImageProcessor``
-        with Qwen2-VL placeholder expansion (images only), else a text-only tokenizer.
+        Uses ``AutoProcessor``; where that cannot load (Qwen2-VL's and Qwen2.5-Omni's full
+        processors need torchvision for video), falls back to ``AutoTokenizer`` +
+        ``AutoImageProcessor`` with Qwen2-VL-style placeholder expansion (images only) of the
+        model's own image placeholder (:func:`image_placeholder_token`: ``<|image_pad|>``,
+        Qwen2.5-Omni's ``<|IMAGE|>``), else a text-only tokenizer.
         """
         import transformers
 
@@ -191,7 +220,8 @@ class HFGenerator:
             # tokenizer + image processor, expanding <|image_pad|> the Qwen2-VL way.
             logger.info("AutoProcessor failed for %s (%s); using tokenizer + image processor", path, exc)
             processor = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-            if "<|image_pad|>" in processor.get_vocab():
+            image_token = image_placeholder_token(path, processor)
+            if image_token is not None:
                 try:
                     image_processor = transformers.AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
                         path, local_files_only=True
@@ -201,7 +231,7 @@ class HFGenerator:
                 if image_processor is not None:
                     from gymbridge.testing.tiny_vlm import TinyVLMProcessor
 
-                    processor = TinyVLMProcessor(processor, image_processor)
+                    processor = TinyVLMProcessor(processor, image_processor, image_token=image_token)
         model: Any = None
         for auto in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
             loader = getattr(transformers, auto, None)

@@ -38,6 +38,7 @@ __all__ = [
     "Generator",
     "SamplingConfig",
     "media_special_token_ids",
+    "model_sub_configs",
     "wrapped_policy_version",
 ]
 
@@ -160,13 +161,28 @@ def fit_max_tokens(prompt_len: int, sampling: SamplingConfig, max_model_len: int
     return sampling if sampling.max_tokens <= room else sampling.with_max_tokens(room)
 
 
+def model_sub_configs(config: Any) -> list[Any]:
+    """``config`` and the sub-configs that carry a VLM's token ids: its ``text_config``, and a
+    ``thinker_config`` with its own ``text_config`` (a whole Qwen2.5-Omni checkpoint, as vLLM
+    serves it, keeps its placeholder ids on the thinker's config)."""
+    out: list[Any] = []
+    for cfg in (config, getattr(config, "thinker_config", None)):
+        if cfg is None:
+            continue
+        out.append(cfg)
+        text = getattr(cfg, "text_config", None)
+        if text is not None:
+            out.append(text)
+    return out
+
+
 def media_special_token_ids(config: Any) -> tuple[int, ...]:
     """Sorted ids a VLM must never *generate*: its media placeholders and vision boundary tokens.
 
     Read from the model config (``image_token_id``, ``video_token_id``, ``audio_token_id``,
     ``vision_start_token_id``, ``vision_end_token_id``, ``vision_token_id``, Qwen2.5-Omni's
     ``audio_start_token_id`` / ``audio_end_token_id``, the ``*_token_index`` spellings, Gemma-3's
-    ``boi`` / ``eoi`` image boundaries; on the config or its ``text_config``); a text-only LM
+    ``boi`` / ``eoi`` image boundaries; on any of :func:`model_sub_configs`); a text-only LM
     gives ``()``. A sampled audio boundary is as fatal as a sampled placeholder: Qwen2.5-Omni's
     M-RoPE index counts one audio clip per ``audio_start`` token and looks its length up.
     """
@@ -186,9 +202,7 @@ def media_special_token_ids(config: Any) -> tuple[int, ...]:
         "eoi_token_index",
     )
     found: set[int] = set()
-    for cfg in (config, getattr(config, "text_config", None)):
-        if cfg is None:
-            continue
+    for cfg in model_sub_configs(config):
         for name in names:
             value = getattr(cfg, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value >= 0:

@@ -35,25 +35,36 @@ Invariants:
   vocabulary with every request, so neither fits; the ids come from the engine's HF
   config (:func:`~gymbridge.generation.types.media_special_token_ids`) plus
   ``suppress_token_ids``;
-* weights are updated through :meth:`update_weights` (``collective_rpc`` into
-  :class:`WeightSyncWorkerExtension` on every worker, then a prefix-cache reset so
-  no KV computed under the old weights is reused), or broadcast by a trainer through
+* weights are updated through :meth:`update_weights` (in-process: bounded buckets of
+  :mod:`gymbridge.generation.weights` sent as raw bytes through ``collective_rpc``, whose
+  msgpack arguments cannot carry tensors) or broadcast by a trainer through
   :class:`VLLMWeightSink` (the model server's ``/weights/*`` routes): each worker joins the
   trainer's private weight group as rank ``rank_offset + its world rank`` and receives the
-  bounded buckets of :mod:`gymbridge.generation.weights`, loading them with the model's own
-  ``load_weights`` (which maps Hugging Face names onto vLLM's fused layout). A utility call
-  runs between engine steps, so a version is loaded between two steps; a request records the
-  version at its submission (its oldest).
+  buckets over it. Either way each worker loads them with the model's own ``load_weights``
+  (which maps Hugging Face names onto vLLM's fused layout; :func:`checkpoint_name` first
+  restores the ``thinker.`` prefix vLLM's Qwen2.5-Omni mapper expects);
+* **a weight swap** (:meth:`VLLMGenerator.swap_weights`) pauses the engine
+  (``pause_generation(mode="keep")``: no step runs, in-flight requests are kept), loads,
+  resets the prefix cache with ``reset_running_requests=True`` (running requests are
+  preempted and recomputed under the new weights) and the encoder cache (vision / audio
+  encoder outputs are reused across requests of the same medium), then resumes. A reset vLLM
+  refuses raises :class:`~gymbridge.errors.WeightSyncError`: no KV block or encoder output of
+  the old weights is ever reused silently. New requests wait for the swap, so a request
+  records the version current when it was submitted (a request in flight across a swap
+  records the older one);
+* audio reaches vLLM as gymbridge processed it: mono, at the feature extractor's sampling
+  rate (:func:`audio_for_vllm`), so vLLM's resampler (which reads 2-D audio as channels x
+  samples) has nothing to do and both count the same placeholders.
 
-**Lowest vLLM: 0.10.2** (the ``vllm`` extra pins it). APIs used: ``vllm.v1.engine.async_llm.AsyncLLM``
-(``from_engine_args``, ``generate``, async ``collective_rpc``, ``reset_prefix_cache``),
-``AsyncEngineArgs(worker_extension_cls=..., logprobs_mode=...)``, ``TokensPrompt`` with
+**Tested vLLM: 0.33.0** (the ``vllm`` extra pins ``>=0.33,<0.34``; it implies
+``transformers>=5.16.1,<5.21``). The names used here and their signatures are checked
+against the real package by ``tests/vllm`` (run in ``.venv-vllm``; see docs/generation.md):
+``vllm.v1.engine.async_llm.AsyncLLM`` (``from_engine_args``, ``generate``, async
+``collective_rpc``, ``pause_generation`` / ``resume_generation``, ``reset_prefix_cache``
+with ``reset_running_requests``, ``reset_encoder_cache``), ``AsyncEngineArgs`` (``model``,
+``worker_extension_cls``, ``logprobs_mode``, ``max_model_len``), ``TokensPrompt`` with
 ``multi_modal_data``, ``SamplingParams(logprobs=0, logit_bias=..., detokenize=False)`` and
-``vllm.distributed.parallel_state.get_world_group``. ``worker_extension_cls`` and V1
-``logit_bias`` are older (0.8.x); ``logprobs_mode`` arrived in 0.10.0 (vLLM PR #21398) but
-``processed_logprobs`` only includes temperature and top-p since PR #22387, first in the
-0.10.x releases after 0.10.1; 0.10.2 is the first release where downstream RL trainers
-(TRL) rely on it, so that is the floor.
+``vllm.distributed.parallel_state.get_world_group``.
 """
 
 from __future__ import annotations
@@ -61,7 +72,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 from gymbridge.errors import GymbridgeError, WeightSyncError
@@ -71,16 +83,20 @@ from gymbridge.generation.types import (
     SamplingConfig,
     fit_max_tokens,
     media_special_token_ids,
+    model_sub_configs,
 )
 from gymbridge.trajectory.types import GenerationInput
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "SUBMODEL_PREFIXES",
     "VLLMGenerationError",
     "VLLMGenerator",
     "VLLMWeightSink",
     "WeightSyncWorkerExtension",
+    "audio_for_vllm",
+    "checkpoint_name",
     "collapse_placeholders",
     "generation_from_output",
     "import_vllm",
@@ -109,17 +125,24 @@ def import_vllm() -> Any:
 class WeightSyncWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``): loads new weights in place.
 
-    ``self.model_runner`` is the worker's model runner (vLLM sets it up); this
-    class adds one method, reached through ``AsyncLLM.collective_rpc``.
+    ``self.model_runner`` is the worker's model runner (vLLM sets it up); the methods, reached
+    through ``AsyncLLM.collective_rpc``, take only values vLLM's msgpack carries (JSON-like
+    data and ``bytes``). Every name is prefixed ``gymbridge_`` so none shadows a worker's own.
     """
 
     model_runner: Any
 
-    def gymbridge_load_weights(self, named_tensors: list[tuple[str, Any]]) -> int:
-        """Load ``(name, tensor)`` pairs with the model's own ``load_weights``; return how many."""
-        device = next(self.model_runner.model.parameters()).device
-        self.model_runner.model.load_weights(weights=[(n, t.to(device)) for n, t in named_tensors])
-        return len(named_tensors)
+    def gymbridge_load_bucket(self, bucket: dict[str, Any], payload: bytes) -> int:
+        """Load one bucket sent in-band: its layout (``Bucket.to_json()``) and its raw bytes.
+
+        Returns how many tensors it held; a payload of the wrong size raises ``WeightSyncError``.
+        """
+        from gymbridge.generation.weights import Bucket, bucket_from_bytes, unbucket
+
+        parsed = Bucket.from_json(bucket)
+        flat = bucket_from_bytes(parsed, payload).to(self._gymbridge_device())
+        self._gymbridge_load((s.name, view) for s, view in unbucket(parsed, flat))
+        return len(parsed.specs)
 
     def gymbridge_join_weight_group(
         self, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
@@ -147,18 +170,63 @@ class WeightSyncWorkerExtension:
         group = getattr(self, "gymbridge_weight_group", None)
         if group is None:
             raise WeightSyncError("this worker has not joined a weight group")
-        device = next(self.model_runner.model.parameters()).device
+        device = self._gymbridge_device()
         loaded = 0
         for raw in buckets:
             bucket = Bucket.from_json(raw)
             flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=device)
             group.broadcast(flat, timeout_s=timeout_s)
-            self.model_runner.model.load_weights(
-                weights=[(s.name, view) for s, view in unbucket(bucket, flat)]
-            )
+            self._gymbridge_load((s.name, view) for s, view in unbucket(bucket, flat))
             loaded += len(bucket.specs)
             del flat
         return loaded
+
+    def _gymbridge_device(self) -> Any:
+        return next(self.model_runner.model.parameters()).device
+
+    def _gymbridge_load(self, named: Iterable[tuple[str, Any]]) -> None:
+        model = self.model_runner.model
+        model.load_weights(weights=[(checkpoint_name(model, name), t) for name, t in named])
+
+
+SUBMODEL_PREFIXES: tuple[str, ...] = ("thinker.",)
+"""Prefixes of a checkpoint's sub-model that vLLM serves alone (Qwen2.5-Omni's thinker)."""
+
+
+def checkpoint_name(model: Any, name: str) -> str:
+    """``name`` (a trainer's state-dict name) as ``model.load_weights`` expects it.
+
+    vLLM's Qwen2.5-Omni thinker loads the whole Omni checkpoint: its ``hf_to_vllm_mapper``
+    maps ``thinker.model.`` / ``thinker.lm_head.`` onto its language model and strips
+    ``thinker.`` elsewhere. A trainer training the thinker alone
+    (``Qwen2_5OmniThinkerForConditionalGeneration``) names the same weights ``model.*``,
+    ``lm_head.*``, ``visual.*``, ``audio_tower.*``. So where the model's mapper strips a
+    :data:`SUBMODEL_PREFIXES` prefix, a name without it gets it; any other name is unchanged.
+    """
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    prefixes = getattr(mapper, "orig_to_new_prefix", None) or {}
+    for prefix in SUBMODEL_PREFIXES:
+        if prefixes.get(prefix) == "" and not name.startswith(prefix):
+            return prefix + name
+    return name
+
+
+def audio_for_vllm(item: Any, sampling_rate: int | None) -> tuple[Any, int]:
+    """A decoded clip ``(wave [N] or [N, C], rate)`` as handed to vLLM: ``(mono [N'], rate')``.
+
+    gymbridge decodes audio samples x channels and counts its placeholders on the clip
+    down-mixed and resampled to the feature extractor's ``sampling_rate`` (PyAV,
+    :func:`~gymbridge.tensors.processor.mono_audio_at`). vLLM resamples along the last axis
+    and reads 2-D audio as channels x samples, so a stereo clip at another rate was
+    resampled across its channels. This hands vLLM that very mono waveform at
+    ``sampling_rate`` (vLLM's resampler is then a no-op); without a known rate, the mono
+    clip at its own rate.
+    """
+    from gymbridge.tensors.processor import mono_audio_at
+
+    wave, rate = item
+    target = int(sampling_rate or rate)
+    return mono_audio_at(wave, int(rate), target), target
 
 
 def _worker_world_rank() -> int:
@@ -168,11 +236,10 @@ def _worker_world_rank() -> int:
 
 
 def placeholder_token_ids(hf_config: Any) -> dict[str, int]:
-    """Modality -> the placeholder id its processor expands (``image_token_id`` / ``*_token_index``)."""
+    """Modality -> the placeholder id its processor expands (``image_token_id`` / ``*_token_index``,
+    on any of :func:`~gymbridge.generation.types.model_sub_configs`)."""
     out: dict[str, int] = {}
-    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
-        if cfg is None:
-            continue
+    for cfg in model_sub_configs(hf_config):
         for modality in ("image", "video", "audio"):
             for attr in (f"{modality}_token_id", f"{modality}_token_index"):
                 value = getattr(cfg, attr, None)
@@ -262,7 +329,8 @@ class VLLMGenerator:
     """Generate with vLLM's ``AsyncLLM``; see the module docstring.
 
     Pass ``engine`` to wrap an engine built elsewhere (it needs ``generate``,
-    ``collective_rpc`` and ``reset_prefix_cache``); otherwise one is built from
+    ``collective_rpc``, ``pause_generation`` / ``resume_generation``, ``reset_prefix_cache``
+    and ``reset_encoder_cache``, as ``AsyncLLM`` has them); otherwise one is built from
     ``model`` and ``engine_args`` (``AsyncEngineArgs`` keywords). ``codec`` (the
     :class:`ChatCodec` the model server and native rollouts need) is built from
     ``processor``, else from the processor saved with ``model`` unless
@@ -314,6 +382,11 @@ class VLLMGenerator:
         )
         """Modality -> the placeholder id vLLM's processor expands (collapsed to one per item here)."""
         self.codec: Any = None
+        self.audio_sampling_rate: int | None = None
+        """The feature extractor's rate: audio is handed to vLLM mono at it (:func:`audio_for_vllm`)."""
+        self._weights_ready = asyncio.Event()
+        self._weights_ready.set()
+        self._swap_lock = asyncio.Lock()  # one weight swap at a time
         if processor is None and load_processor:
             try:
                 import transformers
@@ -323,8 +396,11 @@ class VLLMGenerator:
                 processor = None
         if processor is not None:
             from gymbridge.generation.chat import ChatCodec
+            from gymbridge.tensors.processor import sub_processors
 
             self.codec = ChatCodec(processor, reasoning_parser=reasoning_parser)
+            rate = getattr(sub_processors(processor).get("audio"), "sampling_rate", None)
+            self.audio_sampling_rate = int(rate) if isinstance(rate, int | float) and rate > 0 else None
 
     def build_request(self, inp: GenerationInput, sampling: SamplingConfig) -> tuple[Any, Any]:
         """The ``(TokensPrompt, SamplingParams)`` pair sent for one input (pure; no engine)."""
@@ -334,7 +410,10 @@ class VLLMGenerator:
         ids = collapse_placeholders(inp.prompt_token_ids, counts, self.placeholder_token_ids)
         prompt: Any = TokensPrompt(prompt_token_ids=ids)
         if inp.multi_modal_data:
-            prompt["multi_modal_data"] = {k: list(v) for k, v in inp.multi_modal_data.items()}
+            prompt["multi_modal_data"] = {
+                k: [audio_for_vllm(a, self.audio_sampling_rate) for a in v] if k == "audio" else list(v)
+                for k, v in inp.multi_modal_data.items()
+            }
         params = self._vllm.SamplingParams(
             n=1,
             temperature=sampling.temperature,
@@ -352,8 +431,9 @@ class VLLMGenerator:
     async def _one(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
         prompt, params = self.build_request(inp, sampling)
         request_id = f"gymbridge-{next(self._ids)}"
-        # the version at submission: updates are applied between engine steps, so a request
-        # never straddles one unless a publisher runs while it is in flight (then this is its oldest)
+        # the version at submission (a swap in progress is waited for): a request in flight
+        # across a swap records the older version
+        await self._weights_ready.wait()
         version = self.policy_version
         final: Any = None
         async for out in self.engine.generate(prompt, params, request_id):
@@ -368,13 +448,84 @@ class VLLMGenerator:
         # vLLM batches concurrent requests itself (continuous batching).
         return list(await asyncio.gather(*(self._one(i, s) for i, s in zip(inputs, fitted, strict=True))))
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, Any]]) -> int:
-        """Load new policy weights into every worker, then drop the prefix cache. Returns tensors loaded."""
-        tensors = [(name, t.detach().cpu()) for name, t in named_tensors]
-        counts = await self.engine.collective_rpc("gymbridge_load_weights", args=(tensors,))
-        await self.engine.reset_prefix_cache()
-        logger.info("loaded %d tensors into %d vLLM worker(s)", len(tensors), len(counts or []))
-        return len(tensors)
+    async def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, Any]],
+        *,
+        version: int | None = None,
+        bucket_bytes: int | None = None,
+    ) -> int:
+        """Load new policy weights into every worker (a :meth:`swap_weights`); returns tensors loaded.
+
+        The weights travel as buckets of at most ``bucket_bytes`` raw bytes through
+        ``collective_rpc`` (vLLM's msgpack carries ``bytes``, not tensors), one bucket
+        materialised at a time, through host memory: for large models on their own GPUs the
+        trainer's NCCL broadcast (:class:`VLLMWeightSink`) is the fast path. ``bucket_bytes``
+        defaults to ``DEFAULT_BUCKET_BYTES`` (64 MiB); ``version``, when given, becomes
+        :attr:`policy_version`.
+        """
+        import torch
+
+        from gymbridge.generation.weights import (
+            DEFAULT_BUCKET_BYTES,
+            bucket_tensors,
+            bucket_to_bytes,
+            plan_buckets,
+        )
+
+        named = [(name, t.detach()) for name, t in named_tensors]
+        if len({name for name, _ in named}) != len(named):
+            raise WeightSyncError("update_weights was given a tensor name twice")
+        by_name = dict(named)
+        buckets = plan_buckets(named, DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes)
+        cpu = torch.device("cpu")
+
+        async def load() -> None:
+            for bucket in buckets:
+                flat = bucket_tensors(bucket, [by_name[s.name] for s in bucket.specs], cpu)
+                payload = bucket_to_bytes(flat)
+                del flat
+                await self.engine.collective_rpc("gymbridge_load_bucket", args=(bucket.to_json(), payload))
+
+        await self.swap_weights(load, version=version)
+        logger.info("loaded %d tensors (%d buckets) into vLLM", len(named), len(buckets))
+        return len(named)
+
+    async def swap_weights(self, load: Callable[[], Awaitable[Any]], *, version: int | None = None) -> None:
+        """Run ``load`` with generation paused, drop every cache of the old weights, resume.
+
+        Policy (module docstring): ``pause_generation(mode="keep")`` (no engine step runs;
+        in-flight requests are kept), ``load()``, ``reset_prefix_cache(reset_running_requests=True)``
+        (running requests are preempted and later recomputed under the new weights), then
+        ``reset_encoder_cache()``. A reset vLLM refuses raises :class:`WeightSyncError`.
+        Generation resumes whatever happens; requests submitted meanwhile wait, then record
+        ``version`` (set only once the caches are reset). Concurrent swaps run one at a time.
+        """
+        async with self._swap_lock:
+            self._weights_ready.clear()
+            try:
+                await self.engine.pause_generation(mode="keep", clear_cache=False)
+                try:
+                    await load()
+                    await self._drop_stale_caches()
+                    if version is not None:
+                        self.policy_version = version
+                finally:
+                    await self.engine.resume_generation()
+            finally:
+                self._weights_ready.set()
+
+    async def _drop_stale_caches(self) -> None:
+        try:
+            reset = await self.engine.reset_prefix_cache(reset_running_requests=True)
+        except RuntimeError as exc:  # vLLM: running requests still hold KV (remote KV transfer)
+            raise WeightSyncError(f"vLLM could not reset its prefix cache after new weights: {exc}") from exc
+        if reset is not True:
+            raise WeightSyncError(
+                f"vLLM did not reset its prefix cache after new weights (reset_prefix_cache returned "
+                f"{reset!r}): KV computed under the old weights would be reused"
+            )
+        await self.engine.reset_encoder_cache()
 
 
 class VLLMWeightSink:
@@ -415,14 +566,15 @@ class VLLMWeightSink:
         )
 
     async def receive(self, version: int, buckets: Sequence[Any], *, timeout_s: float) -> float:
-        import time
-
+        """Every worker receives ``buckets`` over the group, inside a :meth:`VLLMGenerator.swap_weights`."""
         started = time.perf_counter()
-        await self.generator.engine.collective_rpc(
-            "gymbridge_receive_weights", args=([b.to_json() for b in buckets], timeout_s)
-        )
-        await self.generator.engine.reset_prefix_cache()  # no KV of the old weights is reused
-        self.generator.policy_version = version
+        engine = self.generator.engine
+        payload = [b.to_json() for b in buckets]
+
+        async def load() -> None:
+            await engine.collective_rpc("gymbridge_receive_weights", args=(payload, timeout_s))
+
+        await self.generator.swap_weights(load, version=version)
         return time.perf_counter() - started
 
     def mark_loaded(self, version: int, outcome: str) -> None:

@@ -45,6 +45,8 @@ __all__ = [
     "WeightReceiver",
     "WeightSink",
     "WeightTarget",
+    "bucket_from_bytes",
+    "bucket_to_bytes",
     "check_layout",
     "dtype_from_name",
     "loaded_key",
@@ -315,6 +317,31 @@ def bucket_tensors(bucket: Bucket, tensors: Sequence[torch.Tensor], device: torc
         flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
         offset += n
     return flat
+
+
+def bucket_to_bytes(flat: torch.Tensor) -> bytes:
+    """A bucket's flat buffer as raw bytes (its dtype's native layout), for a channel that carries
+    only plain values: vLLM's ``collective_rpc`` arguments (msgpack) turn tensors into lists."""
+    return bytes(flat.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def bucket_from_bytes(bucket: Bucket, payload: bytes | bytearray | memoryview) -> torch.Tensor:
+    """The flat ``[numel]`` buffer of ``bucket`` from :func:`bucket_to_bytes`'s bytes (a CPU copy).
+
+    A payload whose size is not ``numel`` elements of the bucket's dtype is refused
+    (:class:`WeightSyncError`), so a truncated or mismatched message never loads.
+    """
+    dtype = dtype_from_name(bucket.dtype)
+    expected = bucket.numel * torch.empty((), dtype=dtype).element_size()
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise WeightSyncError(f"a bucket's payload must be bytes, got {type(payload).__name__}")
+    if len(payload) != expected:
+        raise WeightSyncError(
+            f"a {bucket.dtype} bucket of {bucket.numel} elements needs {expected} bytes, got {len(payload)}"
+        )
+    if expected == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(payload), dtype=dtype)
 
 
 def unbucket(bucket: Bucket, flat: torch.Tensor) -> Iterator[tuple[TensorSpec, torch.Tensor]]:

@@ -60,6 +60,7 @@ __all__ = [
     "ProcessorStats",
     "audio_output_length",
     "forward_media_kwargs",
+    "mono_audio_at",
     "num_placeholders",
     "process_decoded",
     "sub_processors",
@@ -171,7 +172,7 @@ def num_placeholders(modality: str, outputs: dict[str, torch.Tensor], sub: Any) 
     return None
 
 
-def _mono_at(wave: Any, rate: int, target: int | None) -> Any:
+def mono_audio_at(wave: Any, rate: int, target: int | None) -> Any:
     """``wave`` (``[N]`` or ``[N, C]`` float) as mono float32 ``[N']`` at ``target`` Hz (PyAV's resampler)."""
     import numpy as np
 
@@ -204,7 +205,7 @@ def process_decoded(modality: str, sub: Any, decoded: Any) -> dict[str, torch.Te
         wave, rate = decoded
         target = getattr(sub, "sampling_rate", None)
         feats = sub(
-            _mono_at(wave, int(rate), target),
+            mono_audio_at(wave, int(rate), target),
             sampling_rate=int(target or rate),
             return_tensors="pt",
             padding="max_length",

@@ -240,7 +240,8 @@ class TinyVLMProcessor:
     text is expanded to its medium's placeholder count, media consumed in order per modality;
     the number of placeholders of a modality must equal the number of its media (``ValueError``
     otherwise). Without a ``video_processor`` / ``feature_extractor`` the processor takes images
-    only (the tiny Qwen2-VL's case).
+    only (the tiny Qwen2-VL's case). ``image_token`` respells the image placeholder (Qwen2.5-Omni's
+    ``<|IMAGE|>``; ``HFGenerator.from_pretrained`` reads it from the saved config).
     """
 
     def __init__(
@@ -249,6 +250,8 @@ class TinyVLMProcessor:
         image_processor: Any,
         video_processor: Any | None = None,
         feature_extractor: Any | None = None,
+        *,
+        image_token: str = IMAGE_PAD,
     ) -> None:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -256,8 +259,8 @@ class TinyVLMProcessor:
             self.video_processor = video_processor
         if feature_extractor is not None:
             self.feature_extractor = feature_extractor
-        self.image_token = IMAGE_PAD
-        self.image_token_id: int = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+        self.image_token = image_token
+        self.image_token_id: int = int(tokenizer.convert_tokens_to_ids(image_token))
         self.video_token = VIDEO_PAD
         self.video_token_id: int = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
         self.audio_token: str | None = AUDIO_PAD if feature_extractor is not None else None
@@ -316,7 +319,11 @@ class TinyVLMProcessor:
 
         texts = [text] if isinstance(text, str) else list(text or [])
         data: dict[str, Any] = {}
-        pads = ((IMAGE_PAD, "image", images), (VIDEO_PAD, "video", videos), (AUDIO_PAD, "audio", audio))
+        pads = (
+            (self.image_token, "image", images),
+            (VIDEO_PAD, "video", videos),
+            (AUDIO_PAD, "audio", audio),
+        )
         counts: dict[str, list[int]] = {}
         for pad, modality, media in pads:
             plural = "audio clips" if modality == "audio" else f"{modality}s"

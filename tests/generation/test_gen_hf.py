@@ -166,6 +166,33 @@ async def test_from_pretrained_loads_a_saved_vlm(tiny_gen: HFGenerator, tiny: An
     assert make_input(loaded, "same?", [(1, 2, 3)]).prompt_token_ids == inp.prompt_token_ids
 
 
+async def test_regression_from_pretrained_finds_omni_image_placeholder(
+    tiny_gen: HFGenerator, tiny: Any, tmp_path: Any
+) -> None:
+    """Bug: the fallback processor looked for ``<|image_pad|>``, which Qwen2.5-Omni spells ``<|IMAGE|>``.
+
+    A saved model whose tokenizer spells the image placeholder ``<|IMAGE|>`` (at the id its config
+    names, as Qwen2.5-Omni's does) loaded as text-only: every image prompt was refused.
+    """
+    from gymbridge.testing.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_tokenizer
+
+    omni_spelling = build_tiny_tokenizer([("<|IMAGE|>" if t == IMAGE_PAD else t) for t in SPECIAL_TOKENS])
+    omni_spelling.chat_template = tiny.tokenizer.chat_template.replace(IMAGE_PAD, "<|IMAGE|>")
+    assert omni_spelling.convert_tokens_to_ids("<|IMAGE|>") == tiny.image_token_id
+    assert IMAGE_PAD not in omni_spelling.get_vocab()
+    tiny.model.save_pretrained(tmp_path)
+    omni_spelling.save_pretrained(tmp_path)
+    tiny.processor.image_processor.save_pretrained(tmp_path)
+    loaded = HFGenerator.from_pretrained(str(tmp_path), device="cpu")
+    assert loaded.processor.image_token == "<|IMAGE|>"
+    inp = make_input(loaded, "same?", [(1, 2, 3)])
+    assert inp.prompt_token_ids == make_input(tiny_gen, "same?", [(1, 2, 3)]).prompt_token_ids
+    s = SamplingConfig(max_tokens=4, seed=9)
+    (got,), (want,) = await loaded.generate([inp], s), await tiny_gen.generate([inp], s)
+    assert got.token_ids == want.token_ids
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
 async def test_regression_generator_never_samples_media_placeholders(
     tiny_gen: HFGenerator, tiny: Any
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import types
 from dataclasses import dataclass, field
@@ -83,10 +84,14 @@ class FakeRequestOutput:
 
 
 class FakeEngine:
-    def __init__(self) -> None:
+    """``AsyncLLM``'s surface as gymbridge uses it; ``calls`` records the order of the engine calls."""
+
+    def __init__(self, prefix_reset: Any = True) -> None:
         self.requests: list[tuple[Any, Any, str]] = []
         self.rpcs: list[tuple[str, Any]] = []
+        self.calls: list[str] = []
         self.cache_resets = 0
+        self.prefix_reset = prefix_reset
 
     async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
         self.requests.append((prompt, params, request_id))
@@ -102,10 +107,22 @@ class FakeEngine:
 
     async def collective_rpc(self, method: str, args: Any = ()) -> list[int]:
         self.rpcs.append((method, args))
+        self.calls.append(method)
         return [len(args[0])]
 
-    async def reset_prefix_cache(self) -> None:
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.calls.append(f"pause:{mode}")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> Any:
+        self.calls.append(f"reset_prefix:{reset_running_requests}")
         self.cache_resets += 1
+        return self.prefix_reset
+
+    async def reset_encoder_cache(self) -> None:
+        self.calls.append("reset_encoder")
 
 
 @pytest.fixture
@@ -224,16 +241,30 @@ async def test_update_weights_reaches_every_worker_and_resets_the_cache(fake_vll
     import torch
 
     engine = FakeEngine()
-    n = await make_gen(engine).update_weights([("w", torch.ones(2, requires_grad=True))])
-    assert n == 1 and engine.cache_resets == 1
-    method, args = engine.rpcs[0]
-    assert method == "gymbridge_load_weights" and args[0][0][0] == "w" and not args[0][0][1].requires_grad
+    gen = make_gen(engine)
+    n = await gen.update_weights([("w", torch.ones(2, requires_grad=True))], version=3)
+    assert n == 1 and gen.policy_version == 3
+    assert engine.calls == [
+        "pause:keep",
+        "gymbridge_load_bucket",
+        "reset_prefix:True",
+        "reset_encoder",
+        "resume",
+    ]
+    _, (bucket, payload) = engine.rpcs[0]
+    assert bucket == {"dtype": "float32", "tensors": [{"name": "w", "shape": [2], "dtype": "float32"}]}
+    assert isinstance(payload, bytes) and len(payload) == 8
 
 
-def test_worker_extension_loads_weights_through_the_model() -> None:
+async def test_update_weights_arrive_in_the_worker_bucket_by_bucket(fake_vllm: Any) -> None:
+    """What update_weights sends (JSON + bytes) is what the worker extension loads, value for value."""
     import torch
 
-    loaded: list[Any] = []
+    engine = FakeEngine()
+    source = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    await make_gen(engine).update_weights(source.named_parameters(), bucket_bytes=24)
+    assert len(engine.rpcs) > 2  # bounded buckets: several calls
+    loaded: list[tuple[str, Any]] = []
 
     class Model(torch.nn.Module):
         def __init__(self) -> None:
@@ -241,12 +272,71 @@ def test_worker_extension_loads_weights_through_the_model() -> None:
             self.p = torch.nn.Parameter(torch.zeros(1))
 
         def load_weights(self, weights: Any) -> None:
-            loaded.extend(weights)
+            loaded.extend((n, t.clone()) for n, t in weights)
 
     ext = vllm_backend.WeightSyncWorkerExtension()
     ext.model_runner = types.SimpleNamespace(model=Model())
-    assert ext.gymbridge_load_weights([("p", torch.ones(1))]) == 1
-    assert loaded[0][0] == "p"
+    for method, args in engine.rpcs:
+        getattr(ext, method)(*args)
+    got = dict(loaded)
+    assert list(got) == [n for n, _ in source.named_parameters()]
+    for name, tensor in source.named_parameters():
+        assert got[name].dtype == torch.bfloat16
+        torch.testing.assert_close(got[name], tensor.detach())
+
+
+async def test_regression_a_refused_prefix_cache_reset_fails_the_update(fake_vllm: Any) -> None:
+    """Bug: ``reset_prefix_cache()`` returning False (requests running) was ignored: stale KV reused."""
+    import torch
+
+    from gymbridge.errors import WeightSyncError
+
+    engine = FakeEngine(prefix_reset=False)
+    gen = make_gen(engine)
+    with pytest.raises(WeightSyncError, match="did not reset its prefix cache"):
+        await gen.update_weights([("w", torch.ones(2))], version=1)
+    assert gen.policy_version == 0  # the version is not claimed
+    assert engine.calls[-1] == "resume"  # generation is never left paused
+
+
+async def test_regression_encoder_cache_is_reset_after_new_weights(fake_vllm: Any) -> None:
+    """Bug: vision / audio encoder outputs of the old weights were reused for the same media."""
+    import torch
+
+    engine = FakeEngine()
+    await make_gen(engine).update_weights([("w", torch.ones(1))])
+    assert engine.calls.index("gymbridge_load_bucket") < engine.calls.index("reset_encoder")
+    assert engine.calls.index("reset_encoder") < engine.calls.index("resume")
+
+
+async def test_requests_submitted_during_a_swap_record_the_new_version(fake_vllm: Any) -> None:
+    engine = FakeEngine()
+    gen = make_gen(engine)
+    release = asyncio.Event()
+
+    async def slow_load() -> None:
+        await release.wait()
+
+    swap = asyncio.create_task(gen.swap_weights(slow_load, version=5))
+    await asyncio.sleep(0)
+    request = asyncio.create_task(gen.generate([GenerationInput(prompt_token_ids=[1, 2])], SamplingConfig()))
+    await asyncio.sleep(0.01)
+    assert not request.done() and engine.requests == []  # held until the swap ends
+    release.set()
+    await swap
+    assert (await request)[0].policy_version == 5
+
+
+def test_worker_extension_refuses_a_truncated_bucket() -> None:
+    import torch
+
+    from gymbridge.errors import WeightSyncError
+
+    ext = vllm_backend.WeightSyncWorkerExtension()
+    ext.model_runner = types.SimpleNamespace(model=torch.nn.Linear(1, 1))
+    bucket = {"dtype": "float32", "tensors": [{"name": "w", "shape": [2], "dtype": "float32"}]}
+    with pytest.raises(WeightSyncError, match="needs 8 bytes, got 4"):
+        ext.gymbridge_load_bucket(bucket, b"\0" * 4)
 
 
 @pytest.mark.gpu

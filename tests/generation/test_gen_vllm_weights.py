@@ -1,9 +1,10 @@
 """VLLMGenerator around vLLM, with stand-ins: placeholders sent once and checked after, and the weight sync.
 
-vLLM is not installed here (GPU only); what surrounds it is tested against fakes that behave
-like the documented API: ``TokensPrompt`` dicts, ``RequestOutput.prompt_token_ids`` (the prompt
-vLLM ran, placeholders expanded by its own processor), ``AsyncLLM.collective_rpc`` and the
-worker extension's methods. The worker's weight receive runs over a real gloo group.
+vLLM is not installed in this venv (tests/vllm checks the real package, in .venv-vllm); what
+surrounds it is tested against fakes that behave like AsyncLLM's API: ``TokensPrompt`` dicts,
+``RequestOutput.prompt_token_ids`` (the prompt vLLM ran, placeholders expanded by its own
+processor), ``collective_rpc``, pause / resume and the cache resets, and the worker extension's
+methods. The worker's weight receive runs over a real gloo group.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class Engine:
     prompts: list[Any] = field(default_factory=list)
     rpcs: list[tuple[str, tuple[Any, ...]]] = field(default_factory=list)
     cache_resets: int = 0
+    encoder_resets: int = 0
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self.model_config = types.SimpleNamespace(
@@ -84,8 +87,20 @@ class Engine:
         self.rpcs.append((method, args))
         return [None] * self.world_size
 
-    async def reset_prefix_cache(self) -> None:
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.paused = True
+
+    async def resume_generation(self) -> None:
+        self.paused = False
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        assert reset_running_requests and self.paused
         self.cache_resets += 1
+        return True
+
+    async def reset_encoder_cache(self) -> None:
+        assert self.paused
+        self.encoder_resets += 1
 
 
 @pytest.fixture
@@ -174,7 +189,8 @@ async def test_the_sink_drives_every_worker_and_stamps_the_version(fake_vllm: No
     method, args = engine.rpcs[-1]
     assert method == "gymbridge_receive_weights"
     assert [Bucket.from_json(b) for b in args[0]] == buckets
-    assert engine.cache_resets == 1 and gen.policy_version == 4
+    assert engine.cache_resets == engine.encoder_resets == 1 and gen.policy_version == 4
+    assert not engine.paused
     inp = GenerationInput(prompt_token_ids=[1, 2])
     assert (await gen.generate([inp], SamplingConfig()))[0].policy_version == 4
 
