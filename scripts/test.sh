@@ -97,31 +97,44 @@ if [ -n "$gym_pid" ]; then
     [ $gym_rc -eq 0 ] || echo "!! gym venv setup failed: the gym suite will be skipped"
     gym_pid=""
 fi
-if [ -n "$vllm_pid" ]; then
-    vllm_rc=0
-    wait "$vllm_pid" || vllm_rc=$?
-    cat "$VLLM_LOG"
-    [ $vllm_rc -eq 0 ] || echo "!! vllm venv setup failed: the vllm suite will be skipped"
-    vllm_pid=""
-fi
+wait_vllm() {  # the vLLM venv's build goes on while the default and learning tests run
+    if [ -n "$vllm_pid" ]; then
+        vllm_rc=0
+        wait "$vllm_pid" || vllm_rc=$?
+        cat "$VLLM_LOG"
+        [ $vllm_rc -eq 0 ] || echo "!! vllm venv setup failed: the vllm suite will be skipped"
+        vllm_pid=""
+    fi
+}
 parallel=()
 workers=${GYMBRIDGE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 case "$workers" in '' | *[!0-9]*) echo "!! GYMBRIDGE_TEST_WORKERS=$workers is not a number"; exit 2 ;; esac
 [ "$workers" -le 4 ] || [ -n "${GYMBRIDGE_TEST_WORKERS:-}" ] || workers=4
 if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
-echo "== pytest${parallel[*]:+ ${parallel[*]}}"
+# The plain command leaves tests/vllm for last (its venv may still be building); with arguments,
+# pytest runs exactly them (after the vLLM venv is ready).
+if [ $# -eq 0 ]; then default=(--ignore=tests/vllm); else default=(); wait_vllm; fi
+echo "== pytest${parallel[*]:+ ${parallel[*]}} ${default[*]}"
 set +e
-"$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} "$@"
+"$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} ${default[@]+"${default[@]}"} "$@"
 rc=$?
 set -e
 if [ $rc -eq 5 ]; then echo "pytest collected no tests"; fi
 # The learning runs (minutes each): run by the plain command (CI), not when pytest args are given.
-# The default smoke learns within its 3 minutes, the multi-turn variant learns, the controls stay at
+# The default smoke learns, the multi-turn variant learns, the controls stay at
 # chance; each pins one torch thread, so two workers give the same numbers as one.
 if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
     echo "== pytest -m learning -n 2 (the default smoke and the multi-turn variant learn; the controls stay at chance)"
     set +e
     "$VENV/bin/python" -m pytest -m learning -n 2 --dist load
+    rc=$?
+    set -e
+fi
+if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
+    wait_vllm
+    echo "== pytest tests/vllm -n 2 (gymbridge's vLLM backend against real vLLM, on CPU)"
+    set +e
+    "$VENV/bin/python" -m pytest tests/vllm -n 2 --dist load
     rc=$?
     set -e
 fi
