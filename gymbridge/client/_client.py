@@ -13,9 +13,12 @@ Invariants:
   request is cancelled and the outcome is ``timeout``;
 * retries are bounded (``max_attempts``) with exponential backoff + jitter
   (tenacity) and only for infrastructure faults: transport errors, 5xx, 408,
-  429. Other 4xx, malformed results and rows or results nested deeper than
-  ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures, never retried; an agent's
-  409 ``X-Gymbridge-Error: env_session_lost`` is an ``env_session_lost`` failure;
+  429, and a masked result reporting an environment fault mid-episode (``mask_sample``
+  with a ``transport_*`` ``failure_kind``: ``gymbridge.faults``; ``status`` is then the
+  environment's, None when it broke the connection). Other 4xx, malformed results and rows
+  or results nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures,
+  never retried; an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
+  ``env_session_lost`` failure;
 * httpx exceptions are mapped to gymbridge errors in one place
   (:func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
@@ -40,6 +43,7 @@ from gymbridge.client._discovery import parse_global_config, server_urls
 from gymbridge.client._outcome import FailureKind, RolloutOutcome
 from gymbridge.errors import (
     EnvError,
+    EnvFaultError,
     EnvServerError,
     EnvSessionLostError,
     EnvTimeoutError,
@@ -47,6 +51,7 @@ from gymbridge.errors import (
     GymbridgeError,
     ProtocolError,
 )
+from gymbridge.faults import fault_of_result
 from gymbridge.limits import MAX_JSON_DEPTH, json_too_deep, loads_json
 
 __all__ = ["GymClient"]
@@ -64,7 +69,7 @@ class _DataError(GymbridgeError):
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, EnvServerError):
         return exc.retryable
-    return isinstance(exc, EnvTransportError)
+    return isinstance(exc, (EnvTransportError, EnvFaultError))
 
 
 def _classify(exc: BaseException) -> FailureKind:
@@ -72,7 +77,9 @@ def _classify(exc: BaseException) -> FailureKind:
         return "env_session_lost"
     if isinstance(exc, EnvTimeoutError):
         return "timeout"
-    if isinstance(exc, (EnvTransportError,)) or (isinstance(exc, EnvServerError) and exc.retryable):
+    if isinstance(exc, (EnvTransportError, EnvFaultError)) or (
+        isinstance(exc, EnvServerError) and exc.retryable
+    ):
         return "infra"
     return "data"
 
@@ -245,6 +252,9 @@ class GymClient:
             raise ProtocolError(f"{endpoint}: result has no numeric 'reward' (got {reward!r})")
         if not isinstance(result.get("response"), dict):
             raise ProtocolError(f"{endpoint}: result has no 'response' object")
+        fault = fault_of_result(result, server=endpoint)
+        if fault is not None:  # the environment failed mid-episode: the reward measures nothing
+            raise fault
         return result
 
     async def run(
@@ -302,7 +312,7 @@ class GymClient:
                         remaining = budget - (time.monotonic() - started)
                         try:
                             result = await self._post_run(url, row, max(remaining, 1e-3), shard=index)
-                        except EnvServerError as exc:
+                        except (EnvServerError, EnvFaultError) as exc:
                             last_status, last_error = exc.status, exc
                             logger.debug("row %d attempt %d: %s", index, attempts, exc)
                             raise
