@@ -358,10 +358,17 @@ def _tool_response(result: Any) -> web.StreamResponse:
 
 
 def aggregate_metrics(responses: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Stock Gym's aggregate shape: per-task groups, overall agent metrics, key metrics."""
+    """Stock Gym's aggregate shape: per-task groups, overall agent metrics, key metrics.
+
+    As 0.7.0's ``compute_aggregate_metrics``: the reward metrics are over the scored responses
+    only; a ``mask_sample`` response (its reward is not a measurement: an environment fault, an
+    unavailable judge) counts in ``num_rollouts`` and ``num_masked``, never in a mean.
+    """
     by_task: dict[Any, list[float]] = defaultdict(list)
     rewards: list[float] = []
     for r in responses:
+        if r.get("mask_sample") is True:
+            continue
         reward = r.get("reward")
         if isinstance(reward, (int, float)) and not isinstance(reward, bool):
             rewards.append(float(reward))
