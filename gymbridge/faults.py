@@ -1,4 +1,4 @@
-"""Environment faults in the middle of an episode: which answers are faults, and how a result says so.
+"""Which failures are whose: environment faults mid-episode, and refusals a stock server wraps in a 500.
 
 One rule for the agent, the native loop, the server SDK and the client (docs/http.md,
 *Tool errors and environment faults*):
@@ -18,13 +18,23 @@ One rule for the agent, the native loop, the server SDK and the client (docs/htt
 * a client reads a masked result whose ``failure_kind`` is in :data:`ENV_FAULT_KINDS` as an
   infrastructure failure (:func:`fault_of_result`): retried, recorded if it stays failed, never
   trained. A masked result of another kind (an environment's own ``judge_failed``) stays a
-  result, trained with its loss masked.
+  result, trained with its loss masked;
+* a NeMo Gym server whose inner call fails answers **500** with the JSON string ``"Hit an
+  exception in <server> calling an inner server: <the inner body>"`` (the inner status is
+  lost; the body is a Python bytes literal ``b'...'`` in genuine servers). When the inner body
+  is an inner server's *refusal* (vLLM's / OpenAI's error object with a 4xx ``code``, FastAPI's
+  422 ``detail`` list), :func:`wrapped_client_error` finds that status, so a model server
+  refusing a row's sampling parameters behind genuine ``vllm_model`` or ``simple_agent`` is a
+  data failure at once, not an infrastructure fault retried.
 
-Invariant: :func:`status_fault_kind` is the only place the statuses are listed.
+Invariant: :func:`status_fault_kind` is the only place the fault statuses are listed; reading a
+wrapped body never evaluates it (``ast.literal_eval`` of a bytes literal at most).
 """
 
 from __future__ import annotations
 
+import ast
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +50,7 @@ __all__ = [
     "fault_record",
     "masked_result",
     "status_fault_kind",
+    "wrapped_client_error",
 ]
 
 TRANSPORT_UNREACHABLE = "transport_unreachable"
@@ -142,3 +153,57 @@ def fault_of_result(result: Mapping[str, Any], server: str | None = None) -> Env
         server=server,
     )
 
+
+_WRAPPED = "calling an inner server: "
+_MAX_WRAPPED_CHARS = 1 << 20
+_MAX_WRAPPING = 4
+"""Servers wrapping servers: our agent -> genuine vllm_model -> vLLM is two."""
+
+
+def wrapped_client_error(status: int, body: str) -> int | None:
+    """The 4xx an inner server refused a request with, when a stock server wrapped it in a 500.
+
+    ``body`` is the 500's body text. Returns the inner status (400, 422, ...; never 408 / 429,
+    which are worth retrying), or None when the answer is not such a wrapped refusal.
+    """
+    if status != 500 or len(body) > _MAX_WRAPPED_CHARS:
+        return None
+    text = body
+    for _ in range(_MAX_WRAPPING + 1):
+        try:
+            value: Any = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict):
+            return _refusal_status(value)
+        if not isinstance(value, str) or not value.startswith("Hit an exception in "):
+            return None
+        at = value.find(_WRAPPED)
+        if at < 0:
+            return None
+        inner = value[at + len(_WRAPPED) :].strip()
+        if inner[:2] in ("b'", 'b"'):
+            try:
+                literal = ast.literal_eval(inner)  # a bytes literal only: nothing is evaluated
+            except (ValueError, SyntaxError, MemoryError, RecursionError):
+                return None
+            if not isinstance(literal, bytes):
+                return None
+            inner = literal.decode("utf-8", errors="replace")
+        text = inner
+    return None
+
+
+def _refusal_status(error: Mapping[str, Any]) -> int | None:
+    """The 4xx of an error body: vLLM's ``{"object": "error", "code": 400}``, OpenAI's
+    ``{"error": {"type": "invalid_request_error"}}``, FastAPI's ``{"detail": [{loc, msg}, ...]}``."""
+    code = error.get("code")
+    if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 500 and code not in (408, 429):
+        return code
+    nested = error.get("error")
+    if isinstance(nested, Mapping) and nested.get("type") == "invalid_request_error":
+        return 400
+    detail = error.get("detail")
+    if isinstance(detail, list) and detail and all(isinstance(d, Mapping) and "loc" in d for d in detail):
+        return 422
+    return None

@@ -17,7 +17,9 @@ Invariants:
   with a ``transport_*`` ``failure_kind``: ``gymbridge.faults``; ``status`` is then the
   environment's, None when it broke the connection). Other 4xx, malformed results and rows
   or results nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures,
-  never retried; an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
+  never retried, and so is a stock agent's 500 around an inner server's 4xx (a model server
+  refusing the row's sampling parameters behind genuine ``simple_agent``: ``status`` is then
+  the inner one); an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
   ``env_session_lost`` failure;
 * httpx exceptions are mapped to gymbridge errors in one place
   (:func:`_map_httpx_errors`); nothing else sees them;
@@ -51,7 +53,7 @@ from gymbridge.errors import (
     GymbridgeError,
     ProtocolError,
 )
-from gymbridge.faults import fault_of_result
+from gymbridge.faults import fault_of_result, wrapped_client_error
 from gymbridge.limits import MAX_JSON_DEPTH, json_too_deep, loads_json
 
 __all__ = ["GymClient"]
@@ -235,6 +237,15 @@ class GymClient:
                 reply.status_code == 409
                 and reply.headers.get(EnvSessionLostError.header) == EnvSessionLostError.failure_class
             )
+            refused = wrapped_client_error(reply.status_code, reply.text)
+            if refused is not None:  # a stock agent's 500 around an inner refusal: data, not retried
+                raise EnvServerError(
+                    f"{endpoint} answered HTTP 500 around an inner server's HTTP {refused} (the request "
+                    f"was refused; retrying cannot help): {reply.text[:300]}",
+                    status=refused,
+                    body=reply.text[:4000],
+                    server=endpoint,
+                )
             raise (EnvSessionLostError if lost else EnvServerError)(
                 f"{endpoint} answered HTTP {reply.status_code}: {reply.text[:300]}",
                 status=reply.status_code,

@@ -96,7 +96,7 @@ import aiohttp
 from aiohttp import web
 
 from gymbridge.errors import EnvError, EnvFaultError, EnvServerError, EnvTimeoutError, ProtocolError
-from gymbridge.faults import env_fault, masked_result, status_fault_kind
+from gymbridge.faults import env_fault, masked_result, status_fault_kind, wrapped_client_error
 from gymbridge.server._base import (
     ERROR_HEADER,
     ROLLOUT_ID,
@@ -359,7 +359,9 @@ class SimpleAgent(GymServer):
 
         A 4xx from an inner server (a row the environment refuses, a request the
         model server rejects) keeps its status, so the client records a data
-        failure instead of retrying; everything else answers 500, as stock Gym does.
+        failure instead of retrying, and so does a 4xx a stock server wrapped in its
+        500 (genuine ``vllm_model`` in front of vLLM: ``gymbridge.faults.wrapped_client_error``);
+        everything else answers 500, as stock Gym does.
         """
         if _session_lost(reply):
             raise _UpstreamFailure(
@@ -372,6 +374,8 @@ class SimpleAgent(GymServer):
             return reply.json()
         except (EnvServerError, ProtocolError) as exc:
             status = reply.status if 400 <= reply.status < 500 and reply.status not in (408, 429) else 500
+            if status == 500:  # a stock server's 500 around an inner refusal (genuine vllm_model -> vLLM 400)
+                status = wrapped_client_error(reply.status, reply.text) or 500
             raise _UpstreamFailure(
                 status, f"Hit an exception in {self.cookie_name} calling an inner server: {reply.text[:4000]}"
             ) from exc
