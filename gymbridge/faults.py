@@ -7,7 +7,8 @@ One rule for the agent, the native loop, the server SDK and the client (docs/htt
   mid-body), passed its deadline, or has a status a client retries other than 500: 502, 503,
   504 and the other 5xx, 408, 429 (a proxy, an overloaded or restarting server). Any other
   answer is the tool's: a 4xx with its message, an error payload, and a 500 (the tool's own
-  exception, which stock Gym shows the model) go back to the model as the tool's output;
+  exception, which stock Gym shows the model) go back to the model as the tool's output
+  (``/step`` has no such channel: its 4xx and 500 end the rollout as before);
 * an agent ends the rollout at the first fault with a **masked result** (:func:`masked_result`),
   the 0.7.0 shape for "the reward is not a valid measurement": HTTP 200, the row echoed, the
   conversation so far, ``reward: 0.0``, ``mask_sample: true``, ``failure_kind`` from 0.7.0's
