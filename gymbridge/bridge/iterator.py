@@ -24,7 +24,7 @@ Invariants:
   :class:`BridgeStalledError`, :meth:`~BridgeIterator.aclose` or the caller cancelling
   ``__anext__``: completed groups not yet in a batch and groups cancelled in flight, each
   recorded as a ``drop_last`` / ``bridge_stopped`` group record, and every rollout of a group
-  cancelled in flight as a rollout record of class ``cancelled``);
+  cancelled in flight as a rollout record of class ``cancelled``, ``stats.rollouts_cancelled``);
 * any exception of one rollout (a source, postprocessing or batch-build failure, a
   gymbridge error or not) is that rollout's failure record, never an exception through
   the iterator;
@@ -131,6 +131,9 @@ class BridgeStats:
     ``dropped_rollouts``)."""
     rollouts_masked: int = 0
     """Successful rollouts the environment marked ``mask_sample`` (kept, loss-masked)."""
+    rollouts_cancelled: int = 0
+    """Rollouts of groups cancelled in flight when the iterator stopped (each a ``cancelled`` record;
+    not in ``rollouts_failed``: stopping a run that works ahead is not a failure)."""
     batches: int = 0
     failure_classes: dict[str, int] = field(default_factory=dict)
 
@@ -291,10 +294,21 @@ class BridgeIterator:
             self._failures_file.flush()
 
     def _rollout_failure(
-        self, task_index: int, rollout_index: int, cls: str, reason: str, attempts: int
+        self,
+        task_index: int,
+        rollout_index: int,
+        cls: str,
+        reason: str,
+        attempts: int,
+        *,
+        cancelled: bool = False,
     ) -> dict[str, Any]:
-        self.stats.rollouts_failed += 1
-        self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
+        """Record one rollout that is not trained (``cancelled``: stopped in flight, not a failure)."""
+        if cancelled:
+            self.stats.rollouts_cancelled += 1
+        else:
+            self.stats.rollouts_failed += 1
+            self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
         record = {
             "kind": "rollout",
             "task_index": task_index,
@@ -755,7 +769,7 @@ class BridgeIterator:
         else:
             cls, reason = type(error).__name__, f"the group's task raised {type(error).__name__}: {error}"
         for rollout_index in range(self.config.group_size):
-            self._rollout_failure(task_index, rollout_index, cls, reason, attempts=0)
+            self._rollout_failure(task_index, rollout_index, cls, reason, attempts=0, cancelled=error is None)
         self._record(
             {
                 "kind": "group",

@@ -285,6 +285,7 @@ async def test_regression_a_stall_records_every_rollout_in_flight_as_cancelled(
         ("bridge_stopped", {"cancelled": 4})
     ] * len(in_flight)
     assert {f["failure_class"] for f in err.value.failures if f["kind"] == "rollout"} == {"gym_data"}
+    assert (s.rollouts_cancelled, s.failure_classes) == (4 * len(in_flight), {"gym_data": 8})
 
 
 async def test_closing_the_iterator_records_every_rollout_in_flight_as_cancelled(
