@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gymbridge.bridge import BridgeIterator, BridgeStalledError, GymRollouts
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.server import (
     HttpError,
@@ -174,7 +174,10 @@ async def test_regression_an_env_fault_never_reaches_a_trained_batch(tmp_path: P
         await start_server(SimpleAgent(resources_url=proxy.url, model_url=model.url)) as agent,
         GymClient(agent.url, max_attempts=2, backoff_initial_s=0.01) as client,
     ):
-        it = BridgeIterator([ROW], GymRollouts(client), None, group_size=2, failures_path=failures)
+        config = BridgeConfig(
+            group_size=2, prompts_per_step=1, min_group_size=None, max_consecutive_failed_groups=8
+        )
+        it = BridgeIterator([ROW], GymRollouts(client), None, config, failures_path=failures)
         with pytest.raises(BridgeStalledError, match="without a single completed group"):
             await it.__anext__()
     assert it.stats.batches == 0 and it.stats.rollouts_ok == 0
