@@ -228,8 +228,10 @@ class GRPOConfig(StrictModel):
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     max_grad_norm: float | None = 1.0
-    temperature: float = 1.0
-    """The sampling temperature of the rollouts: new logprobs use the same scaled distribution."""
+    temperature: float = Field(1.0, ge=GREEDY_BELOW_TEMPERATURE, allow_inf_nan=False)
+    """The sampling temperature of the rollouts: new logprobs use the same scaled distribution. At
+    least ``GREEDY_BELOW_TEMPERATURE`` (1e-5): below it sampling is greedy and logits divided by it
+    overflow (a run refuses such a ``trainer.temperature`` before it starts)."""
     micro_batch_max_tokens: int = Field(8192, ge=1)
     """Tokens per forward pass: padded tokens (rows x longest row), or with ``sequence_packing`` the
     real tokens of the packed sequence. A longer row runs alone in a micro-batch of its own."""
