@@ -19,8 +19,15 @@ from typing import Any
 
 import httpx
 import pytest
-from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, KIND_RESOURCES, GenuineStack
-from _gym_support import ScriptBook, ThreadedLoop, add_genuine_simple_agent, add_scripted_model, scripted
+from _genuine import KIND_RESOURCES, GenuineStack
+from _gym_support import (
+    ScriptBook,
+    ThreadedLoop,
+    add_genuine_simple_agent,
+    add_scripted_model,
+    genuine_relay_to_our_agent,
+    scripted,
+)
 
 import gymbridge.server as server_sdk
 import gymbridge_envs.counter.data as counter_data
@@ -160,27 +167,12 @@ def our_agent_behind_genuine_relay(
     )
     proxy = FaultProxy(env.url, {"/get_counter_value": Fault(502)})
     fixture_loop.run(proxy.__aenter__())
-    agent = fixture_loop.run(
-        server_sdk.start_server(
-            server_sdk.SimpleAgent(
-                resources_url=proxy.url, model_url=scripted_model_url, instance_name="ours_agent"
-            )
-        )
-    )
-    stack = GenuineStack(tmp_path / "logs")
-    stack.add("ours_agent", KIND_AGENTS, "simple_agent", port=agent.port, launch=False)
-    stack.add(
-        "ours_env_server",
-        KIND_ENV_SERVERS,
-        "legacy_agent",
-        agent_server={"type": KIND_AGENTS, "name": "ours_agent"},
-    )
     try:
-        stack.start()
-        yield stack
+        with genuine_relay_to_our_agent(
+            fixture_loop, proxy.url, scripted_model_url, tmp_path / "logs"
+        ) as stack:
+            yield stack
     finally:
-        stack.stop()
-        fixture_loop.run(agent.stop())
         fixture_loop.run(proxy.__aexit__(None, None, None))
         fixture_loop.run(env.stop())
 
