@@ -26,7 +26,13 @@ exceptions (``TypeError``, ``ValueError``).
     │   │   └── EnvSessionLostError  the environment no longer knows the
     │   │                      rollout's session (restarted / evicted; 409)
     │   ├── EnvTransportError  the connection failed or broke mid-body
+    │   │                      (``reached``: whether it was ever established)
     │   ├── EnvTimeoutError    the deadline passed
+    │   ├── EnvFaultError      the environment failed in the middle of an episode
+    │   │                      (a tool or ``/step`` answered 502 / 503 / 504 / 408 /
+    │   │                      429, broke the connection or passed its deadline):
+    │   │                      infrastructure, the rollout is never trained
+    │   │                      (``route``, ``tool``, ``status``, ``failure_kind``)
     │   └── CheckEnvError      ``check_env`` found conformance problems
     │                          (``problems`` lists every one)
     ├── ServeError             a server cannot listen: port out of range, in use,
@@ -66,6 +72,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EnvError",
+    "EnvFaultError",
     "EnvServerError",
     "EnvSessionLostError",
     "EnvTimeoutError",
@@ -194,11 +201,52 @@ class EnvSessionLostError(EnvServerError):
 
 
 class EnvTransportError(EnvError):
-    """The connection failed, was refused, or broke in the middle of a body."""
+    """The connection failed, was refused, or broke in the middle of a body.
+
+    ``reached`` is False when no connection was ever established (refused, unresolvable,
+    unreachable), True when one broke after it was (reset, closed mid-body), None when unknown.
+    """
+
+    def __init__(self, message: str, *, server: str | None = None, reached: bool | None = None) -> None:
+        super().__init__(message, server=server)
+        self.reached = reached
 
 
 class EnvTimeoutError(EnvError):
     """The deadline passed before the server answered."""
+
+
+class EnvFaultError(EnvError):
+    """The environment failed in the middle of an episode: infrastructure, not the model's doing.
+
+    A tool or ``/step`` answered a status a client retries other than 500 (502, 503, 504, 408,
+    429: a proxy or an overloaded server), or its connection broke, or it passed its deadline.
+    The rollout's reward would not measure the task, so it is never trained: the agent ends the
+    rollout with a masked result (``gymbridge.faults``), ``GymClient`` retries it and records an
+    ``infra`` failure if it stays failed, the native loop records a failure of class
+    ``env_fault``. ``route`` is the path called (``/zoom``, ``/step``), ``tool`` the tool's name
+    (None for ``/step``), ``status`` the HTTP status (None: no answer came), ``failure_kind`` the
+    NeMo Gym 0.7.0 name of the fault (``transport_unreachable``, ``transport_peer_drop``,
+    ``transport_timeout``).
+    """
+
+    failure_class = "env_fault"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        route: str,
+        failure_kind: str,
+        status: int | None = None,
+        tool: str | None = None,
+        server: str | None = None,
+    ) -> None:
+        super().__init__(message, server=server)
+        self.route = route
+        self.failure_kind = failure_kind
+        self.status = status
+        self.tool = tool
 
 
 class CheckEnvError(EnvError):

@@ -33,6 +33,7 @@ from gymbridge import errors as E
         (E.WeightSyncError, E.TrainingError),
         (E.JsonTooDeepError, E.ProtocolError),
         (E.EnvSessionLostError, E.EnvServerError),
+        (E.EnvFaultError, E.EnvError),
         (E.GeneratorProcessError, E.TrainingError),
     ],
 )
@@ -70,3 +71,25 @@ def test_config_error_lists_every_problem() -> None:
 
 def test_media_fetch_error_carries_retryable() -> None:
     assert E.MediaFetchError("timeout", source="http://x", retryable=True).retryable
+
+
+def test_env_fault_error_carries_route_tool_status_and_its_0_7_0_kind() -> None:
+    from gymbridge.faults import env_fault
+
+    fault = env_fault("/zoom", tool="zoom", status=502, body="<html>Bad Gateway</html>")
+    assert (fault.route, fault.tool, fault.status, fault.failure_kind) == (
+        "/zoom",
+        "zoom",
+        502,
+        "transport_unreachable",
+    )
+    assert str(fault) == "environment fault: tool 'zoom' answered HTTP 502: <html>Bad Gateway</html>"
+    assert fault.failure_class == "env_fault"
+    dropped = env_fault("/step", error=E.EnvTransportError("reset by peer", reached=True))
+    assert (dropped.tool, dropped.status, dropped.failure_kind) == (None, None, "transport_peer_drop")
+    refused = env_fault("/zoom", tool="zoom", error=E.EnvTransportError("refused", reached=False))
+    assert refused.failure_kind == "transport_unreachable"
+    late = env_fault("/zoom", tool="zoom", error=E.EnvTimeoutError("no answer within 120s"))
+    assert late.failure_kind == "transport_timeout" and "passed its deadline" in str(late)
+    with pytest.raises(ValueError, match="tool's own answer"):
+        env_fault("/zoom", tool="zoom", status=500)

@@ -21,9 +21,10 @@ Invariants:
   once the iterator is drained or
   stopped (``groups_dropped``: completed groups of a final partial batch discarded by
   ``drop_last``, and every prompt started but not yielded when the iterator stops, by
-  :class:`BridgeStalledError` or :meth:`~BridgeIterator.aclose`: completed groups not yet in
-  a batch and groups cancelled in flight, each recorded as a ``drop_last`` /
-  ``bridge_stopped`` group record);
+  :class:`BridgeStalledError`, :meth:`~BridgeIterator.aclose` or the caller cancelling
+  ``__anext__``: completed groups not yet in a batch and groups cancelled in flight, each
+  recorded as a ``drop_last`` / ``bridge_stopped`` group record, and every rollout of a group
+  cancelled in flight as a rollout record of class ``cancelled``, ``stats.rollouts_cancelled``);
 * any exception of one rollout (a source, postprocessing or batch-build failure, a
   gymbridge error or not) is that rollout's failure record, never an exception through
   the iterator;
@@ -130,6 +131,9 @@ class BridgeStats:
     ``dropped_rollouts``)."""
     rollouts_masked: int = 0
     """Successful rollouts the environment marked ``mask_sample`` (kept, loss-masked)."""
+    rollouts_cancelled: int = 0
+    """Rollouts of groups cancelled in flight when the iterator stopped (each a ``cancelled`` record;
+    not in ``rollouts_failed``: stopping a run that works ahead is not a failure)."""
     batches: int = 0
     failure_classes: dict[str, int] = field(default_factory=dict)
 
@@ -290,10 +294,21 @@ class BridgeIterator:
             self._failures_file.flush()
 
     def _rollout_failure(
-        self, task_index: int, rollout_index: int, cls: str, reason: str, attempts: int
+        self,
+        task_index: int,
+        rollout_index: int,
+        cls: str,
+        reason: str,
+        attempts: int,
+        *,
+        cancelled: bool = False,
     ) -> dict[str, Any]:
-        self.stats.rollouts_failed += 1
-        self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
+        """Record one rollout that is not trained (``cancelled``: stopped in flight, not a failure)."""
+        if cancelled:
+            self.stats.rollouts_cancelled += 1
+        else:
+            self.stats.rollouts_failed += 1
+            self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
         record = {
             "kind": "rollout",
             "task_index": task_index,
@@ -594,6 +609,11 @@ class BridgeIterator:
             task = self._pending.popleft()
             try:
                 result = await task
+            except asyncio.CancelledError:  # the caller cancelled us: what we hold is recorded, not lost
+                self._record_stopped(task, self._task_index.get(task, -1))
+                for done in groups:
+                    self._drop_group(done, "bridge_stopped", "the iterator was cancelled before its batch")
+                raise
             finally:
                 self._task_index.pop(task, None)
             self.done_task_indices.add(result.task_index)
@@ -610,15 +630,16 @@ class BridgeIterator:
                     "group of task %d failed: %s", result.task_index, result.failures[-1]["failure_reason"]
                 )
                 if self._consecutive_failed >= self.config.max_consecutive_failed_groups:
+                    causes = self.failures[-4 * self.config.group_size :]  # before the records of stopping
                     for done in groups:  # completed but never yielded: recorded, not lost
                         self._drop_group(done, "bridge_stopped", "the iterator stalled before its batch")
-                    await self.aclose()
+                    await self.aclose()  # groups in flight: each rollout recorded as cancelled
                     raise BridgeStalledError(
                         f"{self._consecutive_failed} consecutive groups failed "
                         f"(max_consecutive_failed_groups={self.config.max_consecutive_failed_groups}); "
                         f"last: {result.failures[-1]['failure_reason']}; "
                         f"rollout failures by class: {self.stats.failure_classes}",
-                        failures=self.failures[-4 * self.config.group_size :],
+                        failures=causes,
                     )
                 continue
             self._consecutive_failed = 0
@@ -728,8 +749,10 @@ class BridgeIterator:
         )
 
     def _record_stopped(self, task: asyncio.Task[GroupResult], task_index: int) -> None:
-        """The record of a prompt still pending when the iterator stops: every started prompt ends
-        in a batch or a record. A group that finished meanwhile keeps its own outcome."""
+        """The records of a prompt still pending when the iterator stops: every started rollout ends
+        in a batch or a record. A group that finished meanwhile keeps its own outcome; each rollout
+        of a group cancelled in flight is a rollout record of class ``cancelled`` (of the exception's
+        class when the group's task raised), then the group is a ``bridge_stopped`` record."""
         if task.done() and not task.cancelled() and task.exception() is None:
             result = task.result()
             if result.batch is None:
@@ -741,11 +764,12 @@ class BridgeIterator:
             return
         self.stats.groups_dropped += 1
         error = None if task.cancelled() or not task.done() else task.exception()
-        reason = (
-            "cancelled in flight: the iterator stopped before the group finished"
-            if error is None
-            else f"the group's task raised {type(error).__name__}: {error}"
-        )
+        if error is None:
+            cls, reason = "cancelled", "cancelled in flight: the iterator stopped before the group finished"
+        else:
+            cls, reason = type(error).__name__, f"the group's task raised {type(error).__name__}: {error}"
+        for rollout_index in range(self.config.group_size):
+            self._rollout_failure(task_index, rollout_index, cls, reason, attempts=0, cancelled=error is None)
         self._record(
             {
                 "kind": "group",
@@ -754,7 +778,7 @@ class BridgeIterator:
                 "group_size": self.config.group_size,
                 "failure_class": "bridge_stopped",
                 "failure_reason": reason,
-                "rollout_failure_classes": {},
+                "rollout_failure_classes": {cls: self.config.group_size},
                 "dropped_rollouts": [],
                 "time": time.time(),
             }

@@ -13,9 +13,14 @@ Invariants:
   request is cancelled and the outcome is ``timeout``;
 * retries are bounded (``max_attempts``) with exponential backoff + jitter
   (tenacity) and only for infrastructure faults: transport errors, 5xx, 408,
-  429. Other 4xx, malformed results and rows or results nested deeper than
-  ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures, never retried; an agent's
-  409 ``X-Gymbridge-Error: env_session_lost`` is an ``env_session_lost`` failure;
+  429, and a masked result reporting an environment fault mid-episode (``mask_sample``
+  with a ``transport_*`` ``failure_kind``: ``gymbridge.faults``; ``status`` is then the
+  environment's, None when it broke the connection). Other 4xx, malformed results and rows
+  or results nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH`` are ``data`` failures,
+  never retried, and so is a stock agent's 500 around an inner server's 4xx (a model server
+  refusing the row's sampling parameters behind genuine ``simple_agent``: ``status`` is then
+  the inner one); an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
+  ``env_session_lost`` failure;
 * httpx exceptions are mapped to gymbridge errors in one place
   (:func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
@@ -40,6 +45,7 @@ from gymbridge.client._discovery import parse_global_config, server_urls
 from gymbridge.client._outcome import FailureKind, RolloutOutcome
 from gymbridge.errors import (
     EnvError,
+    EnvFaultError,
     EnvServerError,
     EnvSessionLostError,
     EnvTimeoutError,
@@ -47,6 +53,7 @@ from gymbridge.errors import (
     GymbridgeError,
     ProtocolError,
 )
+from gymbridge.faults import fault_of_result, wrapped_client_error
 from gymbridge.limits import MAX_JSON_DEPTH, json_too_deep, loads_json
 
 __all__ = ["GymClient"]
@@ -64,7 +71,7 @@ class _DataError(GymbridgeError):
 def _retryable(exc: BaseException) -> bool:
     if isinstance(exc, EnvServerError):
         return exc.retryable
-    return isinstance(exc, EnvTransportError)
+    return isinstance(exc, (EnvTransportError, EnvFaultError))
 
 
 def _classify(exc: BaseException) -> FailureKind:
@@ -72,7 +79,9 @@ def _classify(exc: BaseException) -> FailureKind:
         return "env_session_lost"
     if isinstance(exc, EnvTimeoutError):
         return "timeout"
-    if isinstance(exc, (EnvTransportError,)) or (isinstance(exc, EnvServerError) and exc.retryable):
+    if isinstance(exc, (EnvTransportError, EnvFaultError)) or (
+        isinstance(exc, EnvServerError) and exc.retryable
+    ):
         return "infra"
     return "data"
 
@@ -228,6 +237,15 @@ class GymClient:
                 reply.status_code == 409
                 and reply.headers.get(EnvSessionLostError.header) == EnvSessionLostError.failure_class
             )
+            refused = wrapped_client_error(reply.status_code, reply.text)
+            if refused is not None:  # a stock agent's 500 around an inner refusal: data, not retried
+                raise EnvServerError(
+                    f"{endpoint} answered HTTP 500 around an inner server's HTTP {refused} (the request "
+                    f"was refused; retrying cannot help): {reply.text[:300]}",
+                    status=refused,
+                    body=reply.text[:4000],
+                    server=endpoint,
+                )
             raise (EnvSessionLostError if lost else EnvServerError)(
                 f"{endpoint} answered HTTP {reply.status_code}: {reply.text[:300]}",
                 status=reply.status_code,
@@ -245,6 +263,9 @@ class GymClient:
             raise ProtocolError(f"{endpoint}: result has no numeric 'reward' (got {reward!r})")
         if not isinstance(result.get("response"), dict):
             raise ProtocolError(f"{endpoint}: result has no 'response' object")
+        fault = fault_of_result(result, server=endpoint)
+        if fault is not None:  # the environment failed mid-episode: the reward measures nothing
+            raise fault
         return result
 
     async def run(
@@ -302,7 +323,7 @@ class GymClient:
                         remaining = budget - (time.monotonic() - started)
                         try:
                             result = await self._post_run(url, row, max(remaining, 1e-3), shard=index)
-                        except EnvServerError as exc:
+                        except (EnvServerError, EnvFaultError) as exc:
                             last_status, last_error = exc.status, exc
                             logger.debug("row %d attempt %d: %s", index, attempts, exc)
                             raise

@@ -14,7 +14,8 @@ from typing import Any, Literal
 __all__ = ["FailureKind", "RolloutOutcome"]
 
 FailureKind = Literal["infra", "data", "timeout", "env_session_lost"]
-"""``infra``: transport, 5xx, 408, 429 (retried, then given up); ``data``: other 4xx,
+"""``infra``: transport, 5xx, 408, 429, an environment fault mid-episode the agent reported in a
+masked result (``gymbridge.faults``; retried, then given up); ``data``: other 4xx,
 malformed results, rows nested too deep, unroutable rows (not retried); ``timeout``: the
 deadline passed; ``env_session_lost``: the environment no longer knew the rollout's session
 (it restarted or evicted it; the agent answered 409 ``X-Gymbridge-Error: env_session_lost``)."""
@@ -35,7 +36,8 @@ class RolloutOutcome:
     elapsed_s: float = 0.0
     agent_url: str | None = None
     status: int | None = None
-    """The last HTTP status seen (None when no answer came)."""
+    """The last HTTP status seen (None when no answer came); for an environment fault, the status
+    the environment answered the agent (None when it broke the connection or timed out)."""
 
     def __post_init__(self) -> None:
         if (self.result is None) == (self.kind is None):

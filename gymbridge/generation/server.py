@@ -40,7 +40,8 @@ Bad input is a 4xx, never a 5xx (docs/security.md): a body over
 ``max_body_bytes`` is 413; JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
 400; ``temperature`` outside ``[0, MAX_TEMPERATURE]`` (or not finite), ``top_p``
 outside ``(0, 1]``, a ``seed`` outside 64 bits, ``stop_token_ids`` outside ``[0, 2**31)``
-400 (a temperature in ``(0, 1e-5)`` is greedy, as vLLM treats it). A prompt whose
+400 (a temperature in ``(0, GREEDY_BELOW_TEMPERATURE)``, 1e-5, is greedy, as vLLM treats it:
+:class:`~gymbridge.generation.types.SamplingConfig` stores it as 0). A prompt whose
 text alone cannot fit the context (its characters over the longest token's length
 already exceed ``max_model_len``) is refused before it is tokenized.
 
@@ -147,9 +148,6 @@ class ModelServerConfig:
 
 MAX_TEMPERATURE = 100.0
 """Largest accepted temperature: beyond it the scaled logits are numerically meaningless."""
-GREEDY_BELOW_TEMPERATURE = 1e-5
-"""Temperatures in ``(0, 1e-5)`` are greedy (vLLM's ``_SAMPLING_EPS``): dividing logits by
-1e-300 overflows to inf / NaN."""
 
 
 def _number(body: Mapping[str, Any], key: str, default: float, lo: float, hi: float) -> float:
@@ -405,12 +403,9 @@ class ModelServer:
         seed = _int_or_none(body, "seed")
         if seed is not None and not -(2**63) <= seed < 2**64:
             raise _BadRequest(f"'seed' must fit in 64 bits, got {seed}")
-        temperature = _number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE)
-        if temperature < GREEDY_BELOW_TEMPERATURE:
-            temperature = 0.0
         try:
-            return SamplingConfig(
-                temperature=temperature,
+            return SamplingConfig(  # a temperature below GREEDY_BELOW_TEMPERATURE becomes greedy here
+                temperature=_number(body, "temperature", 1.0, 0.0, MAX_TEMPERATURE),
                 top_p=_number(body, "top_p", 1.0, 5e-324, 1.0),
                 max_tokens=min(self.config.default_max_tokens if max_tokens is None else max_tokens, room),
                 stop_token_ids=tuple(stop_ids),

@@ -32,11 +32,13 @@ from gymbridge.errors import GymbridgeError
 from gymbridge.trajectory.types import GenerationInput
 
 __all__ = [
+    "GREEDY_BELOW_TEMPERATURE",
     "ContextLengthError",
     "FinishReason",
     "Generation",
     "Generator",
     "SamplingConfig",
+    "is_greedy",
     "media_special_token_ids",
     "model_sub_configs",
     "wrapped_policy_version",
@@ -44,12 +46,26 @@ __all__ = [
 
 FinishReason = Literal["stop", "length"]
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+"""A temperature below this (and above 0) samples greedily, as vLLM does (its ``_SAMPLING_EPS``).
+
+Dividing logits by such a temperature is meaningless in the float32 a backend samples in:
+1e-40 is a float32 denormal and 1e-300 rounds to 0, so the scaled logits overflow to inf and
+the softmax to NaN."""
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether ``temperature`` (finite, >= 0) means greedy: below :data:`GREEDY_BELOW_TEMPERATURE`."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
     """How to sample one generation. Hashable: requests with equal configs are batched together.
 
-    ``temperature == 0`` means greedy decoding. ``max_tokens`` bounds the generated
+    ``temperature == 0`` means greedy decoding; a temperature in ``(0, GREEDY_BELOW_TEMPERATURE)``
+    (1e-5) is stored as 0, so every backend and the trainer see greedy decoding, never logits
+    divided into inf / NaN. ``max_tokens`` bounds the generated
     tokens (the backend may lower it to fit the context). ``stop_token_ids`` are
     added to the model's own end-of-sequence ids. ``seed`` makes sampling
     reproducible for a given batch composition.
@@ -64,6 +80,8 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.temperature != 0.0 and is_greedy(self.temperature):
+            object.__setattr__(self, "temperature", 0.0)  # frozen: normalised once, here
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_tokens < 1:

@@ -36,9 +36,11 @@ later image cannot learn under it (a run's ``rollout.withhold_later_media``).
 
 Every HTTP call to the environment has a deadline (``timeout_s``); environment
 failures surface as ``EnvError`` subclasses (an environment that lost the session:
-``EnvSessionLostError``). Only the tools the row offers are ever called, never a
-protocol route (as in ``SimpleAgent``); rows and answers nested deeper than
-``gymbridge.limits.MAX_JSON_DEPTH`` are ``ProtocolError`` s.
+``EnvSessionLostError``; a fault in the middle of the episode, i.e. a tool or ``/step``
+that broke, timed out or answered 502 / 503 / 504 / 408 / 429 (``gymbridge.faults``):
+``EnvFaultError``, so the rollout is a failure of class ``env_fault``, never trained). Only
+the tools the row offers are ever called, never a protocol route (as in ``SimpleAgent``); rows
+and answers nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH`` are ``ProtocolError`` s.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from gymbridge.errors import (
     ProtocolError,
     TrajectoryError,
 )
+from gymbridge.faults import env_fault, status_fault_kind
 from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
 from gymbridge.generation.outputs import response_items
@@ -256,7 +259,10 @@ class _Env:
         except httpx.TimeoutException as exc:
             raise EnvTimeoutError(f"POST {path} timed out", server=self.base_url) from exc
         except httpx.HTTPError as exc:
-            raise EnvTransportError(f"POST {path} failed: {exc}", server=self.base_url) from exc
+            reached = not isinstance(exc, httpx.ConnectError)
+            raise EnvTransportError(
+                f"POST {path} failed: {type(exc).__name__}: {exc}", server=self.base_url, reached=reached
+            ) from exc
         if reply.status_code == 409 and reply.headers.get(ERROR_HEADER) == SESSION_LOST:
             raise EnvSessionLostError(
                 f"POST {path}: the environment no longer knows this rollout's session "
@@ -300,15 +306,26 @@ async def _tool_items(
     if isinstance(request, list):
         return request
     name, arguments = request
-    reply = await env.post(f"/{name}", arguments, ok_only=False)
-    if reply.status_code > 500:
-        raise EnvServerError(
-            f"tool {name!r} answered HTTP {reply.status_code}",
-            status=reply.status_code,
-            body=reply.text[:4000],
-            server=env.base_url,
-        )
+    route = f"/{name}"
+    try:
+        reply = await env.post(route, arguments, ok_only=False)
+    except (EnvTimeoutError, EnvTransportError) as exc:
+        raise env_fault(route, tool=name, error=exc, server=env.base_url) from exc
+    if status_fault_kind(reply.status_code) is not None:
+        raise env_fault(route, tool=name, status=reply.status_code, body=reply.text, server=env.base_url)
     return tool_output_items(call.get("call_id"), reply.content, reply.headers.get(PARTS_HEADER), tool_media)
+
+
+async def _step(env: _Env, body: dict[str, Any]) -> Any:
+    """``POST /step``: its JSON answer; a broken call or a fault status is an :class:`EnvFaultError`."""
+    try:
+        return await env.post_json("/step", body)
+    except (EnvTimeoutError, EnvTransportError) as exc:
+        raise env_fault("/step", error=exc, server=env.base_url) from exc
+    except EnvServerError as exc:
+        if status_fault_kind(exc.status) is None:
+            raise
+        raise env_fault("/step", status=exc.status, body=exc.body, server=env.base_url) from exc
 
 
 async def run_episode(
@@ -415,7 +432,7 @@ async def _run_gymnasium(
             step_body = episode.add_response(last)
             if episode.context_exhausted:
                 break
-            step = await env.post_json("/step", step_body)
+            step = await _step(env, step_body)
             try:
                 if episode.add_step(step).done:
                     break

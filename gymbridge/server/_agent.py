@@ -10,8 +10,16 @@ Behaviour (stock Gym parity, with its known faults fixed):
   ``response.status == "incomplete"`` when it is hit, on reasoning-only or
   empty output, and on ``incomplete_details`` from the model;
 * every outbound call has a deadline (``model_timeout_s``, ``tool_timeout_s``,
-  ``env_timeout_s``); a deadline or transport failure towards the environment
-  or model answers 504 / 502 (infrastructure: the client retries);
+  ``env_timeout_s``); a deadline or transport failure towards the model, or the
+  environment's ``seed_session`` / ``reset`` / ``verify``, answers 504 / 502
+  (infrastructure: the client retries);
+* an environment fault in the middle of an episode (``gymbridge.faults``: a tool or
+  ``/step`` that breaks the connection, passes its deadline, or answers 502 / 503 / 504 /
+  408 / 429) ends the rollout with a *masked result*: HTTP 200, the conversation so far,
+  ``reward: 0.0``, ``mask_sample: true``, ``failure_kind`` (0.7.0's ``transport_*`` names),
+  ``failure_reason`` naming the tool and status, ``env_fault: {route, tool, status}``; no
+  ``/verify``. Genuine consumers leave masked samples out of scores and training; ``GymClient``
+  retries it and records an ``infra`` failure if it stays failed;
 * ``responses_create_params`` is sent to the model exactly as the row gave it
   except ``input`` (genuine model servers forbid extra keys: HTTP 422);
 * model output items are replayed unchanged, token fields included;
@@ -23,8 +31,9 @@ Behaviour (stock Gym parity, with its known faults fixed):
   server answers for an unknown tool (stock agents post any name, which let a
   model re-seed its own session for a full reward or call ``verify`` to read the
   answer);
-* tool errors (non-JSON arguments, unknown tool, bad argument types, a raising
-  tool) go back to the model as the error body text, as stock Gym does;
+* tool errors (non-JSON or too deeply nested arguments, unknown tool, bad argument
+  types and any other 4xx, a raising tool's 500) go back to the model as the error body
+  text, as stock Gym does;
 * an environment that no longer knows the rollout's session (HTTP 409
   ``X-Gymbridge-Error: env_session_lost``: it restarted or evicted it) ends the
   rollout: the agent answers 409 with the same header, which the client records
@@ -86,7 +95,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from gymbridge.errors import EnvError, EnvServerError, EnvTimeoutError, ProtocolError
+from gymbridge.errors import EnvError, EnvFaultError, EnvServerError, EnvTimeoutError, ProtocolError
+from gymbridge.faults import env_fault, masked_result, status_fault_kind, wrapped_client_error
 from gymbridge.server._base import (
     ERROR_HEADER,
     ROLLOUT_ID,
@@ -178,6 +188,19 @@ class _UpstreamFailure(Exception):
         self.status = status
         self.message = message
         self.headers = headers
+
+
+class _EpisodeFault(_UpstreamFailure):
+    """The environment failed mid-episode (``fault``); ``response`` is the conversation so far.
+
+    ``/run`` answers it with a masked result (:func:`~gymbridge.faults.masked_result`); a route
+    with no result to mask (``/v1/responses``) answers 502, as for any upstream failure.
+    """
+
+    def __init__(self, fault: EnvFaultError, response: dict[str, Any]) -> None:
+        super().__init__(502, str(fault))
+        self.fault = fault
+        self.response = response
 
 
 def _session_lost(reply: Reply) -> bool:
@@ -336,7 +359,9 @@ class SimpleAgent(GymServer):
 
         A 4xx from an inner server (a row the environment refuses, a request the
         model server rejects) keeps its status, so the client records a data
-        failure instead of retrying; everything else answers 500, as stock Gym does.
+        failure instead of retrying, and so does a 4xx a stock server wrapped in its
+        500 (genuine ``vllm_model`` in front of vLLM: ``gymbridge.faults.wrapped_client_error``);
+        everything else answers 500, as stock Gym does.
         """
         if _session_lost(reply):
             raise _UpstreamFailure(
@@ -349,6 +374,8 @@ class SimpleAgent(GymServer):
             return reply.json()
         except (EnvServerError, ProtocolError) as exc:
             status = reply.status if 400 <= reply.status < 500 and reply.status not in (408, 429) else 500
+            if status == 500:  # a stock server's 500 around an inner refusal (genuine vllm_model -> vLLM 400)
+                status = wrapped_client_error(reply.status, reply.text) or 500
             raise _UpstreamFailure(
                 status, f"Hit an exception in {self.cookie_name} calling an inner server: {reply.text[:4000]}"
             ) from exc
@@ -400,7 +427,10 @@ class SimpleAgent(GymServer):
         )
         self._require_ok(seed)
         resources_cookies.update(seed.cookies)
-        response, model_cookies = await self._episode(rcp, resources_cookies, route)
+        try:
+            response, model_cookies = await self._episode(rcp, resources_cookies, route)
+        except _EpisodeFault as stop:  # no /verify: a reward after an environment fault measures nothing
+            return masked_result({**row, "response": stop.response}, stop.fault)
         verify_body = {**row, "response": response}
         reply = await self._call(
             f"{self.resources_url}{route.resources('/verify')}",
@@ -434,7 +464,11 @@ class SimpleAgent(GymServer):
             if calls is None:
                 break
             for call in calls:
-                items = await self._tool(call, offered, resources_cookies, route)
+                try:
+                    items = await self._tool(call, offered, resources_cookies, route)
+                except EnvFaultError as fault:
+                    logger.warning("%s: %s", self.cookie_name, fault)
+                    raise _EpisodeFault(fault, episode.response()) from fault
                 episode.outputs.extend(await self._referenced(items))
             if step >= self.max_steps:
                 episode.stop_at_max_steps()
@@ -448,8 +482,14 @@ class SimpleAgent(GymServer):
         if isinstance(request, list):
             return request
         name, arguments = request
-        url = f"{self.resources_url}{route.resources('/' + name)}"
-        reply = await self._call(url, arguments, self.tool_timeout_s, cookies)
+        path = "/" + name
+        url = f"{self.resources_url}{route.resources(path)}"
+        try:
+            reply = await post_json(
+                self.client, url, arguments, timeout_s=self.tool_timeout_s, cookies=cookies
+            )
+        except EnvError as exc:
+            raise env_fault(path, tool=name, error=exc, server=self.resources_url) from exc
         if _session_lost(reply):
             raise _UpstreamFailure(
                 409,
@@ -458,9 +498,8 @@ class SimpleAgent(GymServer):
                 {ERROR_HEADER: SESSION_LOST},
             )
         cookies.update(reply.cookies)
-        if reply.status > 500:
-            # 502/503/504 from a proxy or an overloaded server is infrastructure, not the model's doing.
-            raise _UpstreamFailure(502, f"Tool {name!r} answered HTTP {reply.status}: {reply.text[:2000]}")
+        if status_fault_kind(reply.status) is not None:
+            raise env_fault(path, tool=name, status=reply.status, body=reply.text, server=self.resources_url)
         return tool_output_items(
             call.get("call_id"), reply.body, reply.headers.get(PARTS_HEADER), self.tool_media
         )
@@ -491,12 +530,18 @@ class SimpleAgent(GymServer):
                 step_body = episode.add_response(last)
                 if episode.context_exhausted:
                     break
-                reply = await self._call(
-                    f"{self.resources_url}{route.resources('/step')}",
-                    step_body,
-                    self.env_timeout_s,
-                    env_cookies,
-                )
+                try:
+                    reply = await post_json(
+                        self.client,
+                        f"{self.resources_url}{route.resources('/step')}",
+                        step_body,
+                        timeout_s=self.env_timeout_s,
+                        cookies=env_cookies,
+                    )
+                except EnvError as exc:
+                    raise env_fault("/step", error=exc, server=self.resources_url) from exc
+                if status_fault_kind(reply.status) is not None:
+                    raise env_fault("/step", status=reply.status, body=reply.text, server=self.resources_url)
                 step_data = self._require_ok(reply)
                 env_cookies.update(reply.cookies)
                 joined = len(episode.outputs)
@@ -508,6 +553,9 @@ class SimpleAgent(GymServer):
                         500, f"Received an invalid step response ({exc}): {reply.text[:2000]}"
                     ) from None
                 episode.outputs[joined:] = await self._referenced(episode.outputs[joined:])
+        except EnvFaultError as fault:  # no reward after an environment fault: a masked result
+            logger.warning("%s: %s", self.cookie_name, fault)
+            return masked_result(episode.result(), fault)
         finally:
             if episode.supports_close:
                 try:

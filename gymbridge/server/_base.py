@@ -53,7 +53,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gymbridge.errors import EnvSessionLostError, ProtocolError, ServeError
+from gymbridge.errors import EnvFaultError, EnvSessionLostError, ProtocolError, ServeError
 from gymbridge.limits import loads_json
 
 __all__ = [
@@ -132,6 +132,8 @@ class Session:
 
     id: str
     state: dict[str, Any] = field(default_factory=dict)
+    faults: list[EnvFaultError] = field(default_factory=list)
+    """Environment faults the session's tools answered (``gymbridge.faults``); ``verify`` masks the result."""
 
 
 class RequestContext:

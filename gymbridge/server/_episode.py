@@ -11,8 +11,8 @@ answer into conversation items lives here, once:
 * :func:`offered_tool_names` / :func:`tool_call_request` / :func:`tool_output_items` —
   the tools a row offers, a ``function_call`` item to the tool's (name, arguments)
   (only an offered tool, never a protocol route), and a tool's answer back to items
-  (stock error bodies for non-JSON arguments and unknown names; media parts in a user
-  message after the output by default);
+  (stock error bodies for non-JSON arguments and unknown names, the same kind of body for
+  arguments nested too deep; media parts in a user message after the output by default);
 * :class:`ToolEpisode` — the tool-style state machine: each model response
   either asks for tool calls or ends the episode (an answer; ``incomplete`` on
   ``incomplete_details``, reasoning-only or empty output, or ``max_steps``);
@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from gymbridge.errors import ProtocolError
+from gymbridge.limits import MAX_JSON_DEPTH, json_too_deep
 from gymbridge.server._base import RESERVED_TOOL_NAMES
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,11 @@ def _output(call_id: Any, output: Any) -> dict[str, Any]:
     return {"type": "function_call_output", "call_id": call_id, "output": output}
 
 
+def _too_deep_output(call_id: Any) -> dict[str, Any]:
+    reason = f"nested deeper than {MAX_JSON_DEPTH} levels"
+    return _output(call_id, json.dumps({"error": f"Invalid tool call arguments: {reason}"}))
+
+
 def offered_tool_names(rcp: Mapping[str, Any]) -> frozenset[str]:
     """The function tools a row offers (``responses_create_params.tools``), less reserved routes.
 
@@ -119,13 +125,20 @@ def tool_call_request(
     ...) or any tool the row did not offer gets ``{"detail": "Not Found"}`` back as the
     tool's output, what a stock server answers for an unknown tool. Stock Gym's other
     answers are kept: non-JSON arguments get ``{"error": "Invalid tool call arguments: ..."}``.
+    Arguments nested deeper than :data:`~gymbridge.limits.MAX_JSON_DEPTH` (a model may emit
+    any text) get the same kind of error and are never posted: no body gymbridge sends or
+    accepts nests deeper, and writing one would fail inside the agent.
     """
     call_id = call.get("call_id")
     name = str(call.get("name", ""))
     try:
         arguments = json.loads(call.get("arguments") or "")
+    except RecursionError:  # the stdlib parser recurses: thousands of levels exhaust the stack
+        return [_too_deep_output(call_id)]
     except (ValueError, TypeError) as exc:
         return [_output(call_id, json.dumps({"error": f"Invalid tool call arguments: {exc!r}"}))]
+    if json_too_deep(arguments):
+        return [_too_deep_output(call_id)]
     if name not in offered:
         if name in RESERVED_TOOL_NAMES:
             logger.warning("refused a model call to the protocol route %r as a tool", name)

@@ -7,7 +7,8 @@ aiohttp exceptions are turned into gymbridge errors:
   -> :class:`~gymbridge.errors.EnvTimeoutError`. ``timeout_s`` is the only
   deadline: aiohttp's own default (5 min total, 30 s socket connect) is switched
   off per request, so a 600 s model deadline really is 600 s;
-* refused / reset / closed mid-body / invalid HTTP -> :class:`~gymbridge.errors.EnvTransportError`.
+* refused / reset / closed mid-body / invalid HTTP -> :class:`~gymbridge.errors.EnvTransportError`
+  (``reached=False`` when no connection was established).
 
 A non-2xx status is *not* raised here: callers decide (a tool's 422 is a
 model-visible body, a model server's 500 is fatal to the rollout).
@@ -169,5 +170,7 @@ async def _request(
                 )
     except TimeoutError as exc:
         raise EnvTimeoutError(f"{url}: no complete answer within {timeout_s:g}s", server=url) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url, reached=False) from exc
     except (aiohttp.ClientError, OSError) as exc:
-        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url, reached=True) from exc

@@ -22,7 +22,11 @@ style). The base class serves NeMo Gym's resources-server protocol:
 
 Status codes match stock Gym (FastAPI): bad tool arguments 422 with
 ``{"detail": [...]}``, an unknown tool 404 ``{"detail": "Not Found"}``, a tool
-that raises 500 with the JSON string ``repr(exc)``; malformed JSON 400. One
+that raises 500 with the JSON string ``repr(exc)``; malformed JSON 400.
+A tool that answers an environment fault (``gymbridge.faults``: 502, 503, 504, 408, 429,
+raised as ``HttpError``) has it remembered on the session, and ``verify`` masks the result
+(``mask_sample``, ``failure_kind``, ``failure_reason``, ``env_fault``) unless ``verify`` set a
+mask of its own: a stock agent shows the fault to the model and scores on. One more
 deliberate difference: a tool call, ``verify`` or ``step`` whose session cookie
 the server does not know (a restart, an evicted session) answers 409
 ``env_session_lost`` instead of running against a fresh empty session; only
@@ -39,12 +43,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import orjson
 from aiohttp import web
 
+from gymbridge.faults import env_fault, fault_record, status_fault_kind
 from gymbridge.server._base import (
     RESERVED_TOOL_NAMES,
     GymServer,
@@ -205,7 +210,19 @@ class ResourcesServer(GymServer):
                     ]
                 },
             )
-        result = _as_verify_result(await self.verify(ctx.existing_session(), body, response))
+        session = ctx.existing_session()
+        result = _as_verify_result(await self.verify(session, body, response))
+        if session.faults and not result.mask_sample:
+            # an agent that went on after a tool's fault (stock agents show it to the model): the
+            # reward is not a measurement, and the result says so in 0.7.0's terms (gymbridge.faults)
+            fault = session.faults[0]
+            result = replace(
+                result,
+                mask_sample=True,
+                failure_kind=fault.failure_kind,
+                failure_reason=str(fault),
+                extra={**result.extra, "env_fault": fault_record(fault)},
+            )
         return json_response(_verify_payload(type(self).__name__, body, result))
 
     async def _reset_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
@@ -245,8 +262,15 @@ class ResourcesServer(GymServer):
 
     def _tool_endpoint(self, spec: ToolSpec) -> Any:
         async def handler(ctx: RequestContext) -> web.StreamResponse:
-            result = await spec.call(self, ctx.existing_session(), await ctx.json())
-            return _tool_response(result)
+            session = ctx.existing_session()
+            try:
+                result = await spec.call(self, session, await ctx.json())
+            except HttpError as exc:
+                _note_fault(session, spec.name, exc.status, exc.payload)
+                raise
+            response = _tool_response(result)
+            _note_fault(session, spec.name, response.status, getattr(response, "text", ""))
+            return response
 
         return handler
 
@@ -266,6 +290,13 @@ class ResourcesServer(GymServer):
 
 
 # ------------------------------------------------------------------ helpers
+def _note_fault(session: Session, tool: str, status: int, body: Any) -> None:
+    """Remember a tool answer that is an environment fault (502, 503, ...) for ``verify``."""
+    if status_fault_kind(status) is not None:
+        detail = body if isinstance(body, str) else orjson.dumps(body, default=repr).decode()
+        session.faults.append(env_fault(f"/{tool}", tool=tool, status=status, body=detail))
+
+
 def _require_keys(body: dict[str, Any], keys: tuple[str, ...]) -> None:
     missing = [
         {"type": "missing", "loc": ["body", k], "msg": "Field required", "input": None}
@@ -327,10 +358,17 @@ def _tool_response(result: Any) -> web.StreamResponse:
 
 
 def aggregate_metrics(responses: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Stock Gym's aggregate shape: per-task groups, overall agent metrics, key metrics."""
+    """Stock Gym's aggregate shape: per-task groups, overall agent metrics, key metrics.
+
+    As 0.7.0's ``compute_aggregate_metrics``: the reward metrics are over the scored responses
+    only; a ``mask_sample`` response (its reward is not a measurement: an environment fault, an
+    unavailable judge) counts in ``num_rollouts`` and ``num_masked``, never in a mean.
+    """
     by_task: dict[Any, list[float]] = defaultdict(list)
     rewards: list[float] = []
     for r in responses:
+        if r.get("mask_sample") is True:
+            continue
         reward = r.get("reward")
         if isinstance(reward, (int, float)) and not isinstance(reward, bool):
             rewards.append(float(reward))

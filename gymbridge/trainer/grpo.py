@@ -155,7 +155,7 @@ from pydantic import Field, model_validator
 
 from gymbridge.config import StrictModel
 from gymbridge.errors import PolicyDriftError, SamplingMismatchError, TrajectoryError
-from gymbridge.generation.types import media_special_token_ids
+from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE, is_greedy, media_special_token_ids
 from gymbridge.trainer.encoder import (
     EncoderStats,
     encode_unique,
@@ -228,8 +228,10 @@ class GRPOConfig(StrictModel):
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     max_grad_norm: float | None = 1.0
-    temperature: float = 1.0
-    """The sampling temperature of the rollouts: new logprobs use the same scaled distribution."""
+    temperature: float = Field(1.0, ge=GREEDY_BELOW_TEMPERATURE, allow_inf_nan=False)
+    """The sampling temperature of the rollouts: new logprobs use the same scaled distribution. At
+    least ``GREEDY_BELOW_TEMPERATURE`` (1e-5): below it sampling is greedy and logits divided by it
+    overflow (a run refuses such a ``trainer.temperature`` before it starts)."""
     micro_batch_max_tokens: int = Field(8192, ge=1)
     """Tokens per forward pass: padded tokens (rows x longest row), or with ``sequence_packing`` the
     real tokens of the packed sequence. A longer row runs alone in a micro-batch of its own."""
@@ -530,8 +532,11 @@ def _token_logprobs(
     encoder_stats: EncoderStats | None = None,
 ) -> tuple[torch.Tensor, int]:
     """:func:`token_logprobs` and the number of loss tokens outside the trainer's nucleus."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for a policy-gradient step, got {temperature}")
+    if is_greedy(temperature):  # logits / 1e-40 overflow to inf: the step would be NaN
+        raise ValueError(
+            f"temperature must be >= {GREEDY_BELOW_TEMPERATURE:g} for a policy-gradient step (below it "
+            f"sampling is greedy), got {temperature}"
+        )
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     kwargs = _forward_kwargs(model, batch, encoder_dedup=encoder_dedup, encoder_stats=encoder_stats)
@@ -709,7 +714,8 @@ def check_sampling(batch: TrainBatch, top_p: float, temperature: float | None = 
 
     A row says how it was sampled in ``metadata["sampling"]`` (``temperature``, ``top_p``; see
     :func:`~gymbridge.trajectory.from_gym_result`); rows that say nothing are not checked. A row's
-    ``top_p`` must be the trainer's (a greedy row, ``temperature == 0``, counts as ``top_p = 1``),
+    ``top_p`` must be the trainer's (a greedy row, ``temperature`` 0 or below
+    ``GREEDY_BELOW_TEMPERATURE``, counts as ``top_p = 1``),
     and with ``temperature`` given, so must its temperature: the ratio of logprobs of two
     differently scaled distributions is biased whatever the staleness, so a mismatch is refused
     on-policy and off-policy alike.
@@ -719,6 +725,8 @@ def check_sampling(batch: TrainBatch, top_p: float, temperature: float | None = 
         if not isinstance(sampling, dict):
             continue
         row_temperature = _number(sampling.get("temperature"))
+        if row_temperature is not None and is_greedy(row_temperature):
+            row_temperature = 0.0  # 1e-40 was sampled greedily (SamplingConfig stores it as 0)
         row_top_p = _number(sampling.get("top_p"))
         if row_temperature == 0:  # greedy: raw logprobs, no nucleus
             row_top_p = 1.0 if row_top_p is not None else None

@@ -219,3 +219,26 @@ def test_regression_cli_tiny_with_vllm_backend_is_refused_not_ignored(
 
     assert main(["serve", "--tiny", "--backend", "vllm", "--port", "0"]) == 2
     assert "--backend hf" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 9e-6])
+async def test_regression_hf_generator_treats_temperatures_below_float32_range_as_greedy(
+    tiny_gen: HFGenerator, temperature: float
+) -> None:
+    """``SamplingConfig(temperature=1e-40)`` reached HF's temperature warper: logits / 1e-40 are inf,
+    so sampling raised "probability tensor contains inf/nan" and teacher-forced logprobs were NaN."""
+    import torch
+
+    from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE
+
+    tiny = SamplingConfig(temperature=temperature, max_tokens=4)
+    assert tiny.temperature == 0.0 and tiny == SamplingConfig(temperature=0.0, max_tokens=4)
+    assert SamplingConfig(temperature=GREEDY_BELOW_TEMPERATURE).temperature == GREEDY_BELOW_TEMPERATURE
+    inp = GenerationInput(prompt_token_ids=[100, 101, 102, 103])
+    greedy = (await tiny_gen.generate([inp], SamplingConfig(temperature=0.0, max_tokens=4)))[0]
+    got = (await tiny_gen.generate([inp], tiny))[0]
+    assert (got.token_ids, got.logprobs) == (greedy.token_ids, greedy.logprobs)
+    logits = torch.randn(3, 64)
+    scored = tiny_gen.processed_logprobs(logits, tiny)  # -inf only where the media ids are masked
+    assert not bool(torch.isnan(scored).any()) and bool(torch.isfinite(scored).any(dim=-1).all())
+    assert torch.equal(scored, tiny_gen.processed_logprobs(logits, SamplingConfig(temperature=0.0)))

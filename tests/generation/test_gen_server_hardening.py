@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -72,14 +73,40 @@ def _dumps(body: dict[str, Any]) -> bytes:
     return json.dumps(body).encode()  # stdlib: writes ints beyond 64 bits, which orjson refuses
 
 
-async def test_regression_a_tiny_positive_temperature_is_greedy(client: httpx.AsyncClient) -> None:
-    greedy = await client.post("/v1/responses", json=responses_body(temperature=0.0))
-    tiny = await client.post("/v1/responses", json=responses_body(temperature=1e-300))
-    assert tiny.status_code == 200, tiny.text
-    assert (
-        tiny.json()["output"][-1]["generation_token_ids"]
-        == greedy.json()["output"][-1]["generation_token_ids"]
-    )
+def _tokens_and_logprobs(path: str, reply: httpx.Response) -> tuple[list[int], list[float]]:
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    if path == "/v1/responses":
+        last = body["output"][-1]
+        return last["generation_token_ids"], last["generation_log_probs"]
+    choice = body["choices"][0]
+    return choice["token_ids"], [c["logprob"] for c in choice["logprobs"]["content"]]
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300, 5e-324, 9e-6])
+async def test_regression_temperatures_below_float32_range_are_greedy_on_both_routes(
+    client: httpx.AsyncClient, path: str, temperature: float
+) -> None:
+    """1e-40 (a float32 denormal) and 1e-300 (0 in float32) were accepted without saying what they
+    mean; below GREEDY_BELOW_TEMPERATURE (1e-5) a request is answered greedily, with the greedy
+    call's finite logprobs (never logits divided into inf / NaN)."""
+
+    def body(t: float) -> dict[str, Any]:
+        if path == "/v1/responses":
+            return responses_body(temperature=t)
+        return {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 3,
+            "temperature": t,
+            "logprobs": True,
+        }
+
+    greedy = _tokens_and_logprobs(path, await client.post(path, json=body(0.0)))
+    tiny = _tokens_and_logprobs(path, await client.post(path, json=body(temperature)))
+    assert tiny == greedy
+    assert all(math.isfinite(lp) for lp in tiny[1])
 
 
 numbers = st.one_of(

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from _genuine import KIND_AGENTS, KIND_MODELS, KIND_RESOURCES, GenuineStack, ref
+from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, KIND_MODELS, KIND_RESOURCES, GenuineStack, ref
 
 MODEL_NAME = "policy_model"
 
@@ -90,6 +92,37 @@ def add_genuine_simple_agent(stack: GenuineStack, name: str, resources: str, **c
         model_server=ref(KIND_MODELS, MODEL_NAME),
         **config,
     )
+
+
+@contextmanager
+def genuine_relay_to_our_agent(
+    loop: ThreadedLoop, resources_url: str, model_url: str, logs: Path
+) -> Iterator[GenuineStack]:
+    """Our ``SimpleAgent`` (``ours_agent``, in ``loop``) in front of ``resources_url``, behind a
+    genuine ``legacy_agent`` environment-server relay (``ours_env_server``); stops both after."""
+    import gymbridge.server as server_sdk
+
+    agent = loop.run(
+        server_sdk.start_server(
+            server_sdk.SimpleAgent(
+                resources_url=resources_url, model_url=model_url, instance_name="ours_agent"
+            )
+        )
+    )
+    stack = GenuineStack(logs)
+    stack.add("ours_agent", KIND_AGENTS, "simple_agent", port=agent.port, launch=False)
+    stack.add(
+        "ours_env_server",
+        KIND_ENV_SERVERS,
+        "legacy_agent",
+        agent_server={"type": KIND_AGENTS, "name": "ours_agent"},
+    )
+    try:
+        stack.start()
+        yield stack
+    finally:
+        stack.stop()
+        loop.run(agent.stop())
 
 
 def counter_script(increments: list[int], expected: int) -> list[Any]:

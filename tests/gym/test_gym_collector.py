@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _genuine import KIND_AGENTS, KIND_ENV_SERVERS, GenuineStack
-from _gym_support import ScriptBook, ThreadedLoop
+from _genuine import GenuineStack
+from _gym_support import ScriptBook, ThreadedLoop, genuine_relay_to_our_agent
 from _oracles import counter as counter_oracle
 
 import gymbridge.server as server_sdk
@@ -38,27 +38,12 @@ def ours_behind_genuine_relay(
     env = fixture_loop.run(
         server_sdk.start_server(counter_server.CounterServer(instance_name="ours_counter"))
     )
-    agent = fixture_loop.run(
-        server_sdk.start_server(
-            server_sdk.SimpleAgent(
-                resources_url=env.url, model_url=scripted_model_url, instance_name="ours_agent"
-            )
-        )
-    )
-    stack = GenuineStack(tmp_path / "logs")
-    stack.add("ours_agent", KIND_AGENTS, "simple_agent", port=agent.port, launch=False)
-    stack.add(
-        "ours_env_server",
-        KIND_ENV_SERVERS,
-        "legacy_agent",
-        agent_server={"type": KIND_AGENTS, "name": "ours_agent"},
-    )
     try:
-        stack.start()
-        yield stack
+        with genuine_relay_to_our_agent(
+            fixture_loop, env.url, scripted_model_url, tmp_path / "logs"
+        ) as stack:
+            yield stack
     finally:
-        stack.stop()
-        fixture_loop.run(agent.stop())
         fixture_loop.run(env.stop())
 
 

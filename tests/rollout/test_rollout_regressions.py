@@ -50,3 +50,28 @@ async def test_regression_group_over_a_batching_generator_shares_batches(tiny_ge
         await batched.aclose()
     assert not any(r.get("mask_sample") for r in results)
     assert batched.rows_run == 4 and batched.batches_run < 4, "the group's rollouts ran one after another"
+
+
+async def test_regression_native_loop_row_temperature_below_float32_range_is_greedy(
+    tiny_gen: HFGenerator, zoom_env: str, zoom_row: dict[str, Any]
+) -> None:
+    """A row's ``temperature: 1e-40`` reached the generator as is: the rollout failed with a bare
+    ``RuntimeError`` (inf/NaN probabilities). It is greedy decoding, as the model server treats it."""
+    import math
+
+    def with_temperature(t: float) -> dict[str, Any]:
+        return {
+            **zoom_row,
+            "responses_create_params": {**zoom_row["responses_create_params"], "temperature": t},
+        }
+
+    greedy = await run_episode(tiny_gen, zoom_env, with_temperature(0.0), max_turns=1, default_max_tokens=4)
+    tiny = await run_episode(tiny_gen, zoom_env, with_temperature(1e-40), max_turns=1, default_max_tokens=4)
+
+    def last(result: dict[str, Any]) -> dict[str, Any]:
+        item: dict[str, Any] = result["response"]["output"][-1]
+        return item
+
+    assert last(tiny)["generation_token_ids"] == last(greedy)["generation_token_ids"]
+    assert last(tiny)["generation_log_probs"] == last(greedy)["generation_log_probs"]
+    assert all(math.isfinite(lp) for lp in last(tiny)["generation_log_probs"])

@@ -143,6 +143,15 @@ def test_a_typo_or_a_bad_value_names_the_key(tmp_path: Path) -> None:
     assert "bridge.group_size" in text and "trainer.lrr" in text and "steps" in text
 
 
+def test_a_trainer_temperature_below_float32s_range_is_refused_before_the_run_starts() -> None:
+    """1e-40 passed validation and the run sampled greedily, then every step raised: the
+    policy-gradient step cannot divide logits by it (``GREEDY_BELOW_TEMPERATURE``)."""
+    for value in ("1e-40", "1e-300", "0"):
+        with pytest.raises(ConfigError, match=r"trainer\.temperature"):
+            load_run_config(["smoke"], [f"trainer.temperature={value}"])
+    assert load_run_config(["smoke"], ["trainer.temperature=0.7"]).trainer.temperature == 0.7
+
+
 def test_an_old_flat_key_names_its_new_place() -> None:
     with pytest.raises(ConfigError, match=r"dedup: .* bridge\.dedup") as err:
         load_run_config(["smoke"], ["dedup=false", "max_turns=2"])

@@ -198,12 +198,18 @@ class SlowEnv(ResourcesServer):
 
 
 async def test_hanging_tool_hits_the_tool_deadline() -> None:
+    """A tool past its deadline is an environment fault: a masked result (gymbridge.faults), no verify."""
     async for h in harness(SlowEnv(), [{"calls": [call("wait", {"seconds": 30})]}, "x"], tool_timeout_s=0.3):
         started = asyncio.get_running_loop().time()
         status, body = await h.run(
             {"responses_create_params": {"input": "go", "tools": SlowEnv.function_tools()}}
         )
-        assert status == 504 and "timeout" in body
+        assert status == 200 and body["mask_sample"] is True and body["reward"] == 0.0
+        assert (
+            body["failure_kind"] == "transport_timeout"
+            and "tool 'wait' passed its deadline" in body["failure_reason"]
+        )
+        assert body["env_fault"] == {"route": "/wait", "tool": "wait", "status": None}
         assert asyncio.get_running_loop().time() - started < 5
 
 

@@ -295,3 +295,17 @@ def test_nucleus_logprobs_equal_transformers_top_p_warper(seed: int, top_p: floa
     got, outside = nucleus_logprobs(logits, targets, top_p)
     torch.testing.assert_close(got, warped.gather(-1, targets[:, None])[:, 0], atol=1e-6, rtol=1e-6)
     assert not outside.any()
+
+
+def test_regression_trainer_temperature_below_float32_range_is_refused_not_nan(tiny: TinyVLM) -> None:
+    """``trainer.temperature = 1e-40`` divided the logits into inf: the step's loss was NaN. Rows
+    sampled at such a temperature were greedy (no nucleus), so their top_p is not compared."""
+    model = tiny_policy(0)
+    batch = _varied_batch(tiny)
+    before = param_digest(model)
+    for temperature in (1e-40, 1e-300):
+        with pytest.raises(ValueError, match="greedy"):
+            token_logprobs(model, batch, temperature=temperature)
+    assert param_digest(model) == before
+    tiny_greedy = _varied_batch(tiny, metadata={3: {"sampling": {"temperature": 1e-40, "top_p": 0.9}}})
+    GRPOTrainer(model, GRPOConfig(), on_policy=False).compute_gradients(tiny_greedy)
