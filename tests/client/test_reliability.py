@@ -59,7 +59,7 @@ async def test_hanging_server_times_out_at_the_deadline() -> None:
         elapsed = time.monotonic() - started
         await asyncio.wait_for(cancelled.wait(), timeout=5)
     assert outcome.kind == "timeout" and outcome.attempts == 1
-    assert 0.45 < elapsed < 2.0
+    assert 0.45 < elapsed < 60  # wallclock-ok: not before the 0.5 s deadline, far before the 3600 s hang
     assert "deadline of 0.5s" in (outcome.reason or "")
 
 
