@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from gymbridge.generation.hf import HFGenerator
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# no per-example time limit (hypothesis's default is 200 ms): a loaded machine must not fail a
+# property; tests/test_no_time_budgets.py checks it is loaded
+settings.register_profile("gymbridge", deadline=None)
+settings.load_profile("gymbridge")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:  # read by torch at import and inherited by the processes tests start
     os.environ.setdefault("OMP_NUM_THREADS", "1")
