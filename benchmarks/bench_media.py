@@ -67,6 +67,6 @@ buf = io.BytesIO()
 sf.write(buf, (0.1 * rng.standard_normal(16000 * 30)).astype(np.float32), 16000, format="FLAC")
 a = MediaItem.from_bytes(buf.getvalue(), "audio")
 rows.append(("flac 30 s @ 16 kHz: .audio()", med(a.audio), float("nan")))
-print(f"{'operation':<66} {'ms':>8} {'x b64':>7}")
+print(f"{'operation':<66} {'ms':>8} {'x b64':>8}")
 for k, ms, ratio in rows:
-    print(f"{k:<66} {ms:8.3f} {ratio:7.4f}")
+    print(f"{k:<66} {ms:8.3f} {ratio:8.3g}")

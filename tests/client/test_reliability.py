@@ -147,8 +147,9 @@ async def test_200_concurrent_rollouts_through_the_agent_every_row_accounted(
     tracemalloc.start()
     started = time.monotonic()
     try:
-        # a hang guard, not a budget: 200 rows share one event loop, 2 min on a loaded 2-core machine
-        async with GymClient(agent.url, deadline_s=600, **FAST) as client:
+        # hang guards, not budgets: 200 rows share one event loop (4 min on a loaded 2-core machine;
+        # 200 connections waited over 10 s to be accepted)
+        async with GymClient(agent.url, deadline_s=600, connect_timeout_s=600, **FAST) as client:
             outcomes = [o async for o in client.run_many(rows, concurrency=n, progress=False)]
     finally:
         elapsed = time.monotonic() - started
@@ -219,7 +220,8 @@ async def test_200_concurrent_rollouts_across_example_environments_via_head_disc
         head_app.router.add_get("/global_config_dict_yaml", config_yaml)
         head = await start_server(head_app)
         started.append(head)
-        async with GymClient(head_url=head.url, deadline_s=600, **FAST) as client:  # a hang guard, as above
+        # hang guards, as above
+        async with GymClient(head_url=head.url, deadline_s=600, connect_timeout_s=600, **FAST) as client:
             outcomes = [o async for o in client.run_many(rows, concurrency=200, progress=False)]
     finally:
         for server in reversed(started):

@@ -18,11 +18,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]  # ~30 s each idle, 170 s loaded
+# a hang guard: each case took 160-740 s on a 2-core machine at load average 10-25
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1200)]
 
 # steps enough that every kill point leaves several to run: a loaded machine's poller may notice a
 # kill point late, and the run must still be going when the SIGKILL lands
-STEPS = 12
+STEPS = 8
 BASE = [
     "--native",
     "--steps",
@@ -58,7 +59,8 @@ def wait_until(proc: subprocess.Popen[bytes], ready: Callable[[], bool], timeout
         assert proc.poll() is None, (
             f"the run ended before the kill point: {proc.stdout and proc.stdout.read()!r}"
         )
-        assert time.monotonic() < deadline, "kill point never reached"  # wallclock-ok: hang guard (10x)
+        # wallclock-ok: a hang guard (a loaded 2-core machine reaches a kill point in ~100 s)
+        assert time.monotonic() < deadline, "kill point never reached"
         time.sleep(0.01)
 
 
