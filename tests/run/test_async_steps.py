@@ -52,7 +52,8 @@ def recording_update(
         step = len(seen) + 1
         at_start = model.num_calls
         if wait_for_next_batch:
-            give_up_at.append(time.monotonic() + OVERLAP_WAIT_S)
+            if not give_up_at:
+                give_up_at.append(time.monotonic() + OVERLAP_WAIT_S)
             while model.num_calls < GROUP * (step + 1) and time.monotonic() < give_up_at[0]:
                 time.sleep(0.01)
         else:
