@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/smoke_time.py [--gym] [--busy-core]
 
 Runs ``gymbridge smoke run --native`` in a fresh process (``python -m gymbridge.cli``): what
-tests/trainer/test_learns_from_env_reward.py runs, the shipped default config with rollouts in
+tests/run/test_learning.py runs, the shipped default config with rollouts in
 process and one torch thread. ``--gym`` also times the Gym path (``gymbridge smoke run``: env,
 agent and model servers on loopback). ``--busy-core`` keeps one core busy with a spinning process
 for the whole run, like a loaded CI machine. Prints one row per run: wall seconds, the goal,

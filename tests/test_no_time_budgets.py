@@ -353,7 +353,7 @@ def test_the_scan_covers_every_test_tree() -> None:
     for expected in (
         "tests/conftest.py",
         "tests/media/test_media_fetch.py",
-        "tests/trainer/test_async_loop.py",
+        "tests/run/test_async_steps.py",
         "environments/color_pick/tests/test_color_pick.py",
         "environments/tests/test_registry.py",
     ):
