@@ -14,68 +14,38 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
-from gymbridge.client import GymClient
-from gymbridge.run import GRPORun, RunConfig, RunDir
-from gymbridge.run.model import RunModel
-from gymbridge.server import SimpleAgent, start_server
-from gymbridge.server.examples import CounterEnv, counter_rows
-from gymbridge.tensors import TrainBatch
-from gymbridge.testing.scripted_model import ScriptedModelServer
-from gymbridge.trainer import GRPOTrainer, tiny_policy
-from gymbridge.trainer.grpo import StepMetrics
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "run"))
+
+from run_helpers import counter_gym_run, stand_in_metrics  # noqa: E402  (the stack the async test runs)
+
+from gymbridge.tensors import TrainBatch  # noqa: E402
+from gymbridge.trainer.grpo import StepMetrics  # noqa: E402
 
 
 async def timed_loop(max_staleness: int, delay_s: float, train_s: float, steps: int, run_dir: Path) -> float:
     def update(batch: TrainBatch) -> StepMetrics:
         time.sleep(train_s)
-        tokens = int(batch.loss_mask.sum())
-        return StepMetrics(0.0, 0.0, 0.0, len(batch), batch.num_tokens, tokens, 0.0, 0.0, 1.0, 0.0, train_s)
+        return stand_in_metrics(batch, train_s)
 
-    env = await start_server(CounterEnv())
-    model = ScriptedModelServer([{"text": "done", "delay_s": delay_s}])
-    await model.start()
-    agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url))
-    client = GymClient(agent.url, deadline_s=60)
-    bridge = BridgeIterator(
-        counter_rows(steps * 2),
-        GymRollouts(client),
-        None,
-        BridgeConfig(
-            group_size=2,
-            max_staleness=max_staleness,
-            prompts_per_step=1,
-            min_group_size=None,
-            max_consecutive_failed_groups=8,
-        ),
-    )
-    config = RunConfig.model_validate({"steps": steps, "bridge": {"max_staleness": max_staleness}})
-    policy = tiny_policy(0)
-    run = GRPORun.from_parts(
-        config,
-        run_dir=RunDir.create(run_dir),
-        model=RunModel("tiny", None, None, policy, (), tiny_policy, "--tiny"),
-        trainer=GRPOTrainer(policy),
-        bridge=bridge,
-        update=update,
-        publish=lambda v: 0.0,
-    )
-    try:
+    async with counter_gym_run(
+        run_dir,
+        steps=steps,
+        max_staleness=max_staleness,
+        delay_s=delay_s,
+        make_update=lambda _model: update,
+        publish=lambda _version: 0.0,
+    ) as (run, _, _bridge):
         started = time.perf_counter()
         for _ in range(steps):
             if await run.step() is None:
                 raise RuntimeError("the rows ran out before the last step")
         return time.perf_counter() - started
-    finally:
-        await run.cleanup()
-        await client.aclose()
-        await agent.stop()
-        await model.stop()
-        await env.stop()
 
 
 def main() -> None:

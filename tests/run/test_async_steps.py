@@ -16,16 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from run_helpers import counter_gym_run, stand_in_metrics
 
-from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
-from gymbridge.client import GymClient
-from gymbridge.run import GRPORun, RunConfig, RunDir
-from gymbridge.run.model import RunModel
-from gymbridge.server import SimpleAgent, start_server
-from gymbridge.server.examples import CounterEnv, counter_rows
 from gymbridge.tensors import TrainBatch
 from gymbridge.testing.scripted_model import ScriptedModelServer
-from gymbridge.trainer import GRPOTrainer, tiny_policy
 from gymbridge.trainer.grpo import StepMetrics
 
 pytestmark = pytest.mark.integration
@@ -59,30 +53,12 @@ def recording_update(
         else:
             time.sleep(TRAIN_S)
         seen.append((at_start, model.num_calls))
-        tokens = int(batch.loss_mask.sum())
-        return StepMetrics(0.0, 0.0, 0.0, len(batch), batch.num_tokens, tokens, 0.0, 0.0, 1.0, 0.0, TRAIN_S)
+        return stand_in_metrics(batch, TRAIN_S)
 
     return update
 
 
 async def run_loop(max_staleness: int, run_dir: Path) -> tuple[list[tuple[int, int]], list[int], list[int]]:
-    env = await start_server(CounterEnv())
-    model = ScriptedModelServer([{"text": "done", "delay_s": DELAY_S}])
-    await model.start()
-    agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url))
-    client = GymClient(agent.url, deadline_s=30)
-    bridge = BridgeIterator(
-        counter_rows(STEPS * 2),
-        GymRollouts(client),
-        None,
-        BridgeConfig(
-            group_size=GROUP,
-            max_staleness=max_staleness,
-            prompts_per_step=1,
-            min_group_size=None,
-            max_consecutive_failed_groups=8,
-        ),
-    )
     published: list[int] = []
 
     def publish(version: int) -> float:
@@ -91,28 +67,19 @@ async def run_loop(max_staleness: int, run_dir: Path) -> tuple[list[tuple[int, i
 
     seen: list[tuple[int, int]] = []
     staleness: list[int] = []
-    config = RunConfig.model_validate({"steps": STEPS, "bridge": {"max_staleness": max_staleness}})
-    policy = tiny_policy(0)
-    run = GRPORun.from_parts(
-        config,
-        run_dir=RunDir.create(run_dir),
-        model=RunModel("tiny", None, None, policy, (), tiny_policy, "--tiny"),
-        trainer=GRPOTrainer(policy),
-        bridge=bridge,
-        update=recording_update(model, wait_for_next_batch=max_staleness > 0, seen=seen),
+    async with counter_gym_run(
+        run_dir,
+        steps=STEPS,
+        max_staleness=max_staleness,
+        delay_s=DELAY_S,
+        make_update=lambda model: recording_update(model, wait_for_next_batch=max_staleness > 0, seen=seen),
         publish=publish,
-    )
-    try:
+        group_size=GROUP,
+    ) as (run, _, bridge):
         for _ in range(STEPS):
             report = await run.step()
             assert report is not None
             staleness.append(report.record()["staleness_max"])
-    finally:
-        await run.cleanup()
-        await client.aclose()
-        await agent.stop()
-        await model.stop()
-        await env.stop()
     assert bridge.stats.rollouts_failed == 0, bridge.failures
     return seen, published, staleness
 
