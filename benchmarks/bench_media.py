@@ -11,7 +11,7 @@ import numpy as np
 import soundfile as sf
 from PIL import Image
 
-from gymbridge.media import MediaItem, encode_data_url, load_media
+from gymbridge.media import MediaItem, MediaPolicy, encode_data_url, load_media
 
 
 def med(f, n=7):
@@ -45,6 +45,11 @@ for fmt, mime in (("JPEG", "image/jpeg"), ("PNG", "image/png")):
     rows.append((f"{name} .key (sha256)", t, t / base))
     t = med(lambda item=item: pickle.loads(pickle.dumps(item, protocol=5)))
     rows.append((f"{name} pickle round trip of a loaded item", t, t / base))
+big = encode_data_url(bytes(range(256)) * (15 * (1 << 20) // 256), "image/png")  # a 20 MiB data URL
+base = med(lambda: base64.b64decode(big[22:]))
+rows.append(("20 MiB data URL base64.b64decode (baseline)", base, 1.0))
+t = med(lambda: MediaItem.from_ref(big, "image", MediaPolicy(max_encoded_bytes=64 << 20)), n=21)
+rows.append(("20 MiB data URL MediaItem.from_ref (header only; goal < 1/500)", t, t / base))
 buf = io.BytesIO()
 with av.open(buf, "w", format="mp4") as c:
     s = c.add_stream("libx264", rate=30)
@@ -62,6 +67,6 @@ buf = io.BytesIO()
 sf.write(buf, (0.1 * rng.standard_normal(16000 * 30)).astype(np.float32), 16000, format="FLAC")
 a = MediaItem.from_bytes(buf.getvalue(), "audio")
 rows.append(("flac 30 s @ 16 kHz: .audio()", med(a.audio), float("nan")))
-print(f"{'operation':<66} {'ms':>8} {'x b64':>7}")
+print(f"{'operation':<66} {'ms':>8} {'x b64':>8}")
 for k, ms, ratio in rows:
-    print(f"{k:<66} {ms:8.2f} {ratio:7.2f}")
+    print(f"{k:<66} {ms:8.3f} {ratio:8.3g}")

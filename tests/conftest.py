@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from gymbridge.generation.hf import HFGenerator
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# no per-example time limit (hypothesis's default is 200 ms): a loaded machine must not fail a
+# property; tests/test_no_time_budgets.py checks it is loaded
+settings.register_profile("gymbridge", deadline=None)
+settings.load_profile("gymbridge")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if XDIST_WORKER:  # read by torch at import and inherited by the processes tests start
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -37,18 +42,18 @@ if XDIST_WORKER:  # read by torch at import and inherited by the processes tests
 # Slowest files first under xdist (per-file seconds from `pytest -n 2 --dist loadfile
 # --durations=0`, heaviest first); a file missing here keeps its collection order after these.
 HEAVY_FIRST = (
-    "tests/trainer/test_resume_kill.py",
-    "tests/trainer/test_smoke.py",
+    "tests/run/test_resume_kill.py",
+    "tests/run/test_run_e2e.py",
     "tests/packaging/test_packaging.py",
-    "tests/trainer/test_every_config_trains.py",
+    "tests/run/test_shipped_configs_train.py",
     "tests/trainer/test_ray_dp.py",
-    "tests/trainer/test_run_dir.py",
-    "tests/trainer/test_smoke_placement.py",
+    "tests/run/test_rundir_resume.py",
+    "tests/run/test_run_placement.py",
     "tests/gym/test_gym_collector.py",
     "tests/trainer/test_packing.py",
     "tests/test_cli_first_hour.py",
     "tests/trainer/test_grpo_variants.py",
-    "tests/trainer/test_smoke_dp.py",
+    "tests/run/test_run_dp.py",
     "tests/trainer/test_weight_sync_process.py",
     "tests/generation/test_gen_server.py",
     "tests/generation/test_gen_server_hardening.py",

@@ -42,3 +42,16 @@ def test_the_run_package_holds_the_recipe_and_its_parts() -> None:
     assert parts <= {p.name for p in (PACKAGE / "run").glob("*.py")}
     assert not (PACKAGE / "launch").exists()
     assert (PACKAGE / "run" / "viewer.html").is_file() and (PACKAGE / "configs" / "smoke.yaml").is_file()
+
+
+def test_every_file_tests_conftest_runs_first_exists() -> None:
+    """``HEAVY_FIRST`` (tests/conftest.py) starts the slowest files first under pytest-xdist; a moved
+    file left there silently runs last and lengthens CI (the run recipe's move to tests/run/ did)."""
+    root = PACKAGE.parent
+    tree = ast.parse((root / "tests" / "conftest.py").read_text(encoding="utf-8"))
+    (listed,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "HEAVY_FIRST" for t in node.targets)
+    ]
+    assert listed and [p for p in listed if not (root / p).is_file()] == []

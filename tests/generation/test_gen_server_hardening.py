@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -163,9 +163,7 @@ async def test_regression_an_overlong_prompt_is_refused_before_tokenizing(
 
     monkeypatch.setattr(server.codec, "render", counting)
     big = "word " * (800 * 1024)  # 4 MB of text; the context is 600 tokens
-    started = time.perf_counter()
     r = await client.post("/v1/responses", json=responses_body(big))
-    elapsed = time.perf_counter() - started
     assert r.status_code == 200 and r.json()["status"] == "incomplete" and r.json()["output"] == []
     assert r.json()["usage"]["input_tokens"] > 600
     assert calls == []  # never rendered / tokenized
@@ -173,26 +171,36 @@ async def test_regression_an_overlong_prompt_is_refused_before_tokenizing(
         "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": big}]}
     )
     assert chat.status_code == 400 and "maximum context length is 600" in chat.json()["message"]
-    assert elapsed < 2.0, f"refusing took {elapsed:.2f}s"
+    assert calls == []  # what refusing costs is in benchmarks/model_server_hardening.py
 
 
 async def test_regression_huge_prompts_do_not_delay_a_normal_request(
-    client: httpx.AsyncClient, server: ModelServer
+    client: httpx.AsyncClient, server: ModelServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eight huge prompts delayed a normal request by 40-97 s; now by well under a second or two."""
+    """Eight huge prompts delayed a normal request by 40-97 s (each tokenized in the preparation
+    threads). Here tokenizing a huge prompt never ends: the normal request is answered all the
+    same, and every huge prompt is refused. (The delay itself: benchmarks/model_server_hardening.py.)"""
+    never = threading.Event()  # set only at the end, to free a thread a regression parked
+    real = server.codec.render
+
+    def render(messages: Any, *a: Any, **kw: Any) -> Any:
+        if sum(len(m.text) for m in messages) > 100_000:
+            never.wait()
+        return real(messages, *a, **kw)
+
+    monkeypatch.setattr(server.codec, "render", render)
     normal = responses_body("hello there", max_output_tokens=2)
-    started = time.perf_counter()
     assert (await client.post("/v1/responses", json=normal)).status_code == 200
-    alone = time.perf_counter() - started
     big = responses_body("word " * (700 * 1024))
     flood = [asyncio.ensure_future(client.post("/v1/responses", json=big)) for _ in range(8)]
-    await asyncio.sleep(0.05)
-    started = time.perf_counter()
-    r = await client.post("/v1/responses", json=normal)
-    during = time.perf_counter() - started
-    await asyncio.gather(*flood)
-    assert r.status_code == 200
-    assert during - alone < 2.0, f"normal request: {alone:.2f}s alone, {during:.2f}s during the flood"
+    try:
+        await asyncio.sleep(0.05)
+        r = await asyncio.wait_for(client.post("/v1/responses", json=normal), timeout=60)
+        assert r.status_code == 200
+        refused = await asyncio.wait_for(asyncio.gather(*flood), timeout=60)
+        assert all(b.status_code == 200 and b.json()["status"] == "incomplete" for b in refused)
+    finally:
+        never.set()
 
 
 async def test_regression_concurrent_requests_with_one_seed_get_their_solo_answers(

@@ -329,7 +329,7 @@ class GenuineStack:
             return f"http://{HOST}:{self.head_port}"
         return self.instances[name].url
 
-    def start(self, ready_timeout_s: float = 90.0) -> None:
+    def start(self, ready_timeout_s: float = 300.0) -> None:
         """Launch every genuine member, wait until all answer; on a lost port, restart on fresh ports."""
         for attempt in range(1, START_ATTEMPTS + 1):
             try:
@@ -401,7 +401,7 @@ class GenuineStack:
                         pass
                 if not pending:
                     break
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline:  # wallclock-ok: hang guard (a start takes 5-30 s)
                     tails = "\n".join(f"--- {n}:\n{gp.log_tail(2000)}" for n, gp in pending.items())
                     self.stop()
                     raise GenuineServerError(f"genuine servers not ready after {timeout_s:.0f} s:\n{tails}")
@@ -483,7 +483,7 @@ class GenuineStack:
 
 
 @contextlib.contextmanager
-def running(stack: GenuineStack, ready_timeout_s: float = 90.0) -> Iterator[GenuineStack]:
+def running(stack: GenuineStack, ready_timeout_s: float = 300.0) -> Iterator[GenuineStack]:
     stack.start(ready_timeout_s)
     try:
         yield stack

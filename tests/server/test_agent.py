@@ -199,7 +199,9 @@ class SlowEnv(ResourcesServer):
 
 async def test_hanging_tool_hits_the_tool_deadline() -> None:
     """A tool past its deadline is an environment fault: a masked result (gymbridge.faults), no verify."""
-    async for h in harness(SlowEnv(), [{"calls": [call("wait", {"seconds": 30})]}, "x"], tool_timeout_s=0.3):
+    async for h in harness(
+        SlowEnv(), [{"calls": [call("wait", {"seconds": 3600})]}, "x"], tool_timeout_s=0.3
+    ):
         started = asyncio.get_running_loop().time()
         status, body = await h.run(
             {"responses_create_params": {"input": "go", "tools": SlowEnv.function_tools()}}
@@ -210,7 +212,8 @@ async def test_hanging_tool_hits_the_tool_deadline() -> None:
             and "tool 'wait' passed its deadline" in body["failure_reason"]
         )
         assert body["env_fault"] == {"route": "/wait", "tool": "wait", "status": None}
-        assert asyncio.get_running_loop().time() - started < 5
+        # wallclock-ok: the tool deadline fired; the tool answers after an hour
+        assert asyncio.get_running_loop().time() - started < 60
 
 
 async def test_gymnasium_mode_images_every_turn() -> None:

@@ -208,7 +208,7 @@ def test_publishing_leaves_the_trainers_own_default_group_alone(
 
 def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -> None:
     """The server's join fails (here: its store is unreachable); the trainer hears of it through
-    /weights/status within about a second instead of waiting out its 60 s join timeout."""
+    /weights/status within about a second instead of waiting out its join timeout."""
     import threading
     import time
 
@@ -237,7 +237,7 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     assert ready.wait(30)
-    publisher = DistributedPublisher(urls[0], timeout_s=60)
+    publisher = DistributedPublisher(urls[0], timeout_s=300)  # the slow path: waiting out the join
     started = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):
@@ -246,4 +246,4 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
         publisher.close()
         loop.call_soon_threadsafe(stop[0].set)
         thread.join(30)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # wallclock-ok: reported, not the 300 s join timeout waited out
