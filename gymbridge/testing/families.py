@@ -59,7 +59,6 @@ __all__ = [
     "TinyModel",
     "parse_tiny_spec",
     "tiny_family_policy",
-    "tiny_launcher_model",
     "tiny_model",
 ]
 
@@ -497,28 +496,3 @@ _BUILDERS: dict[str, Callable[[int], TinyModel]] = {
     "internvl": _internvl,
     "qwen2_5_omni": _qwen2_5_omni,
 }
-
-
-def tiny_launcher_model(spec: str, seed: int = 0) -> Any | None:
-    """The launcher's model for a ``tiny:FAMILY`` spec (``None`` for any other spec): what the run calls.
-
-    Returns a :class:`~gymbridge.launch.userenv.LauncherModel`: the family's processor and tokenizer,
-    a private trainable copy of its model, the placeholder ids a rollout must never generate, a
-    picklable policy factory (``functools.partial(tiny_family_policy, family)``) and the
-    ``gymbridge model serve --model tiny:FAMILY`` flags of the same model (``placement: process``).
-    """
-    family = parse_tiny_spec(spec)
-    if family is None:
-        return None
-    from gymbridge.launch.userenv import LauncherModel
-
-    tiny = tiny_model(family, seed)
-    return LauncherModel(
-        tiny.name,
-        tiny.processor,
-        tiny.tokenizer,
-        tiny_family_policy(family, seed),
-        tuple(sorted(set(tiny.placeholder_token_ids.values()))),
-        functools.partial(tiny_family_policy, family),
-        ("--model", f"{TINY_PREFIX}{family}"),
-    )
