@@ -27,7 +27,9 @@ def image_only_processor(processor_class: type[Any]) -> type[Any]:
         def get_attributes(cls) -> list[str]:
             return [a for a in super().get_attributes() if a != "video_processor"]
 
-    ImageOnly.__name__ = ImageOnly.__qualname__ = f"ImageOnly{processor_class.__name__}"
+    # the real class's name: what save_pretrained writes as processor_class, so a saved processor
+    # loads as the full one where torchvision is installed
+    ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class.__name__
     return ImageOnly
 
 

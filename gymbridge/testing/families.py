@@ -12,7 +12,8 @@ family's image rendering and Hermes ``<tool_call>`` / ``<tool_response>`` tools:
 * ``qwen2_vl``: the default tiny model (:mod:`.tiny_vlm`; its own Qwen-style processor);
 * ``qwen2_5_vl``: ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen2_5_VLProcessor``; the template's
   ``<|vision_start|><|image_pad|><|vision_end|>`` becomes ``<|image_pad|>`` x ``grid / merge**2``;
-  the encoder mixes windowed and global attention layers;
+  the encoder mixes windowed and global attention layers; videos too (``<|video_pad|>`` and the
+  processor's ``second_per_grid_ts``), through :class:`~gymbridge.testing.tiny_omni.TinyVideoProcessor`;
 * ``qwen3_vl``: ``Qwen3VLForConditionalGeneration`` / ``Qwen3VLProcessor``; as Qwen2.5-VL with
   16-pixel patches, DeepStack features and interleaved M-RoPE;
 * ``gemma3``: ``Gemma3ForConditionalGeneration`` / ``Gemma3Processor``; ``<start_of_image>`` becomes
@@ -22,13 +23,15 @@ family's image rendering and Hermes ``<tool_call>`` / ``<tool_response>`` tools:
   ``</img>``;
 * ``qwen2_5_omni``: the Qwen2.5-Omni thinker (:mod:`.tiny_omni`: images, video and audio).
 
-The Qwen2.5-VL, Qwen3-VL and InternVL processors are the real classes with their video
-sub-processor left out (:func:`~gymbridge.families.image_only_processor`: those need
-torchvision, which must never be installed beside the CPU torch here); they take images and
-refuse video. Gemma 3 has no tool format of its own: its template renders the Hermes one inside
-Gemma turns (``<start_of_turn>model``, tool results as a user turn). The tiny Gemma 3 keeps the
-architecture's sliding-window layers (window 32 tokens, one sliding and one global layer), so its
-windows matter at these lengths.
+The Qwen2.5-VL, Qwen3-VL and InternVL processors are the real classes with their declared video
+sub-processor left out (:func:`~gymbridge.families.image_only_processor`: those classes need
+torchvision, which must never be installed beside the CPU torch here); Qwen3-VL's and InternVL's
+take images and refuse video, Qwen2.5-VL's gets the torchvision-free one above. Gemma 3 has
+no tool format of its own: its template renders the Hermes one inside Gemma turns
+(``<start_of_turn>model``, tool results as a user turn). The tiny Gemma 3 keeps the architecture's
+sliding-window layers (window 32 tokens, one sliding and one global layer), so its windows matter
+at these lengths; its image projection is drawn at random like every other weight
+(transformers starts it at zero, which would hide the images from a random model).
 
 Invariants: nothing is downloaded; weights come from ``torch.manual_seed(seed)`` with the global
 RNG restored; each config's special token ids equal the tokenizer's; ``tiny_model`` is cached per
@@ -47,6 +50,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
 
 from gymbridge.families import image_only_processor
 
@@ -203,6 +208,7 @@ def _qwen_ids(tokenizer: Any) -> dict[str, Any]:
 def _qwen2_5_vl(seed: int) -> TinyModel:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
 
+    from gymbridge.testing.tiny_omni import TinyVideoProcessor
     from gymbridge.testing.tiny_vlm import END_OF_TEXT, IM_END, seeded_model, tiny_text_config
 
     tokenizer = _qwen_tokenizer()
@@ -231,8 +237,11 @@ def _qwen2_5_vl(seed: int) -> TinyModel:
         tokenizer=tokenizer,
         chat_template=tokenizer.chat_template,
     )
+    # video: the real processor's expansion and timing (second_per_grid_ts) over a torchvision-free
+    # video processor, set after construction (the declared class is checked against torchvision's)
+    processor.video_processor = TinyVideoProcessor()
     placeholders = {"image": ids["image_token_id"], "video": ids["video_token_id"]}
-    return TinyModel("qwen2_5_vl", model, processor, tokenizer, seed, placeholders)
+    return TinyModel("qwen2_5_vl", model, processor, tokenizer, seed, placeholders, ("image", "video"))
 
 
 def _qwen3_vl(seed: int) -> TinyModel:
@@ -396,6 +405,14 @@ def _gemma3(seed: int) -> TinyModel:
     )
     # generation ends at <end_of_turn>, as the instruction-tuned Gemma 3's generation config says
     model = seeded_model(Gemma3ForConditionalGeneration, config, seed, eos=end_of_turn, pad=pad)
+    # transformers starts the image projection at zero (a trained checkpoint never has it so): a random
+    # model would not see its images at all, and its vision tower would get no gradient
+    projection = model.model.multi_modal_projector.mm_input_projection_weight
+    draw = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        projection.copy_(
+            torch.randn(projection.shape, generator=draw) * float(config.initializer_range or 0.02)
+        )
     image_processor = Gemma3ImageProcessorPil(
         size={"height": _GEMMA3_IMAGE_SIZE, "width": _GEMMA3_IMAGE_SIZE},
         image_mean=[0.5, 0.5, 0.5],
