@@ -27,6 +27,12 @@ def image_only_processor(processor_class: type[Any]) -> type[Any]:
         def get_attributes(cls) -> list[str]:
             return [a for a in super().get_attributes() if a != "video_processor"]
 
+        def to_dict(self) -> dict[str, Any]:
+            # a video processor set after construction is not a declared sub-processor: not saved
+            out: dict[str, Any] = super().to_dict()
+            out.pop("video_processor", None)
+            return out
+
     # the real class's name: what save_pretrained writes as processor_class, so a saved processor
     # loads as the full one where torchvision is installed
     ImageOnly.__name__ = ImageOnly.__qualname__ = processor_class.__name__
