@@ -8,8 +8,9 @@ as one packed sequence ``[1, S]``, ``S`` the sum of the rows' lengths: no paddin
 :meth:`PackedRows.unpack` puts per-token values back at each row's positions, so the loss code
 sees the same ``[B, L]`` tensors as without packing.
 
-Three things make a packed forward equal to the padded one (tested on the tiny Qwen2-VL and the
-tiny Qwen2.5-Omni thinker: logprobs, loss and gradients within fp32 tolerance):
+Three things make a packed forward equal to the padded one (tested on every tiny family,
+``tests/families/test_family_matrix.py``, and the tiny Qwen2.5-Omni thinker: logprobs, loss and
+gradients within fp32 tolerance):
 
 * **no cross-row attention**: a block-diagonal causal mask. With the ``eager`` and ``sdpa``
   attention implementations (the CPU ones) it is an explicit 4-D mask ``[1, 1, S, S]``
