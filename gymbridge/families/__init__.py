@@ -14,7 +14,7 @@ no family's rules itself.
 family         model types                                         positions
 =============  ==================================================  ========================
 ``qwen_vl``    qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe        M-RoPE (get_rope_index)
-``qwen2_5_omni``  qwen2_5_omni_thinker (audio encoded once too)    M-RoPE
+``qwen2_5_omni``  qwen2_5_omni_thinker, qwen2_5_omni (audio once)  M-RoPE
 ``gemma3``     gemma3                                              1-D, bidirectional images
 ``internvl``   internvl                                            1-D
 =============  ==================================================  ========================

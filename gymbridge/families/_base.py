@@ -33,7 +33,10 @@ def _int_attr(obj: Any, name: str) -> int | None:
 
 
 def _configs(config: Any) -> tuple[Any, ...]:
-    return tuple(c for c in (config, getattr(config, "text_config", None)) if c is not None)
+    """``config`` and its sub-configs that carry token ids (a whole Qwen2.5-Omni checkpoint's thinker)."""
+    from gymbridge.generation.types import model_sub_configs
+
+    return tuple(model_sub_configs(config))
 
 
 def collapse_runs(

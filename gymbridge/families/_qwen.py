@@ -35,10 +35,11 @@ class QwenVL(ModelFamily):
 
 
 class QwenOmni(QwenVL):
-    """The Qwen2.5-Omni thinker: images, video and audio."""
+    """The Qwen2.5-Omni thinker: images, video and audio (``qwen2_5_omni``: the whole checkpoint, as
+    vLLM serves it; its token ids are on the ``thinker_config``)."""
 
     name: ClassVar[str] = "qwen2_5_omni"
-    model_types: ClassVar[frozenset[str]] = frozenset({"qwen2_5_omni_thinker"})
+    model_types: ClassVar[frozenset[str]] = frozenset({"qwen2_5_omni_thinker", "qwen2_5_omni"})
     processor_classes: ClassVar[frozenset[str]] = frozenset({"Qwen2_5OmniProcessor"})
 
     def encoder_reason(self, model: Any, modality: str) -> str | None:

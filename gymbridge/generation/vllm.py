@@ -86,7 +86,6 @@ from gymbridge.generation.types import (
     SamplingConfig,
     fit_max_tokens,
     media_special_token_ids,
-    model_sub_configs,
 )
 from gymbridge.trajectory.types import GenerationInput
 
@@ -239,16 +238,12 @@ def _worker_world_rank() -> int:
 
 
 def placeholder_token_ids(hf_config: Any) -> dict[str, int]:
-    """Modality -> the placeholder id its processor expands (``image_token_id`` / ``*_token_index``,
+    """Modality -> the placeholder id its processor expands (the model family's
+    :meth:`~gymbridge.families.ModelFamily.placeholder_ids`: ``image_token_id`` / ``*_token_index``,
     on any of :func:`~gymbridge.generation.types.model_sub_configs`)."""
-    out: dict[str, int] = {}
-    for cfg in model_sub_configs(hf_config):
-        for modality in ("image", "video", "audio"):
-            for attr in (f"{modality}_token_id", f"{modality}_token_index"):
-                value = getattr(cfg, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                    out.setdefault(modality, value)
-    return out
+    from gymbridge.families import family_of
+
+    return family_of(hf_config).placeholder_ids(hf_config)
 
 
 def collapse_placeholders(
@@ -391,7 +386,7 @@ class VLLMGenerator:
         self.family = family_of(hf_config) if hf_config is not None else None
         """The model's family: its rule for the prompt vLLM's processor expects."""
         self.placeholder_token_ids: dict[str, int] = (
-            self.family.placeholder_ids(hf_config) if self.family is not None else {}
+            placeholder_token_ids(hf_config) if hf_config is not None else {}
         )
         """Modality -> the placeholder id vLLM's processor expands (collapsed to one per item here)."""
         self.codec: Any = None

@@ -178,3 +178,27 @@ def test_a_saved_qwen2_5_vl_loads_with_its_processor_class_and_generates_the_sam
         b.prompt_token_ids,
     )
     assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_regression_a_whole_omni_checkpoint_gets_the_thinkers_vllm_prompt() -> None:
+    """Bug: a whole Qwen2.5-Omni checkpoint's config (``model_type: qwen2_5_omni``, as vLLM serves
+    it) keeps its token ids on ``thinker_config``; the families looked at ``text_config`` only and
+    knew ``qwen2_5_omni_thinker`` only, so it had no placeholder ids: its prompt reached vLLM
+    expanded, and vLLM expanded it again."""
+    import transformers
+
+    from gymbridge.generation.vllm import collapse_placeholders, placeholder_token_ids
+
+    tiny = tiny_model("qwen2_5_omni")
+    whole = transformers.Qwen2_5OmniConfig(
+        thinker_config=tiny.model.config.to_dict(), enable_audio_output=False
+    )
+    family = family_of(whole)
+    assert isinstance(family, QwenOmni)
+    assert placeholder_token_ids(whole) == family.placeholder_ids(whole) == tiny.placeholder_token_ids
+    image = tiny.placeholder_token_ids["image"]
+    prompt = [1, *([image] * 4), 2, *([image] * 4), 3]
+    short = collapse_placeholders(
+        prompt, {"image": 2}, placeholder_token_ids(whole), family=family, hf_config=whole
+    )
+    assert short == [1, image, 2, image, 3]
