@@ -393,14 +393,17 @@ class ChatCodec:
 
     ``processor`` is a Hugging Face processor (``processor.tokenizer`` is used for
     text, ``processor(text=..., images=...)`` to expand media placeholders) or a bare
-    tokenizer for text-only models. ``end_of_turn`` defaults to ``"<|im_end|>"`` when
-    the vocabulary has it, else the tokenizer's eos token.
+    tokenizer for text-only models. ``end_of_turn`` defaults to the processor's family's
+    end-of-turn marker (:mod:`gymbridge.families`: ``<|im_end|>``, Gemma 3's ``<end_of_turn>``)
+    or, for a processor of no family, the first family marker the vocabulary holds, else the
+    tokenizer's eos token.
 
     Placeholder expansion without the processor: given ``placeholders`` (an item's
     placeholder token count, e.g. from the model server's cache of processor outputs),
-    :meth:`encode` repeats each medium's placeholder token (``processor.image_token`` /
-    ``video_token`` / ``audio_token``) that many times and tokenizes the text alone, so a
-    cached medium is never run through the processor again. The first time a modality is
+    :meth:`encode` replaces each medium's placeholder text with the family's expansion of that
+    count (:meth:`~gymbridge.families.ModelFamily.expansion`: Qwen's ``<|image_pad|>`` x N,
+    Gemma 3's ``<start_of_image>`` block, InternVL's ``<img>...</img>``) and tokenizes the text
+    alone, so a cached medium is never run through the processor again. The first time a modality is
     expanded this way the processor's own answer is computed too and compared: any
     difference (a processor that expands differently) turns the shortcut off for that
     modality for good (logged), so the prompt tokens are always the processor's.
@@ -415,12 +418,16 @@ class ChatCodec:
         reasoning_parser: bool = True,
         tool_parser: bool = True,
     ) -> None:
+        from gymbridge.families import end_of_turn_markers, family_of
+
         self.processor = processor
         self.tokenizer: Any = getattr(processor, "tokenizer", processor)
         self.chat_template = chat_template
+        self.family = family_of(processor)
         vocab = self.tokenizer.get_vocab()
         if end_of_turn is None:
-            end_of_turn = "<|im_end|>" if "<|im_end|>" in vocab else self.tokenizer.eos_token
+            markers = (self.family.end_of_turn,) if self.family.end_of_turn else end_of_turn_markers()
+            end_of_turn = next((m for m in markers if m in vocab), self.tokenizer.eos_token)
         if not end_of_turn or end_of_turn not in vocab:
             raise ValueError(f"end-of-turn marker {end_of_turn!r} is not a token of this tokenizer")
         self.end_of_turn: str = end_of_turn
@@ -532,11 +539,12 @@ class ChatCodec:
         return self._processor_encode(text, media, decode)
 
     def _placeholder_tokens(self) -> dict[str, str]:
+        """The template's placeholder text of each modality the family can expand by count."""
         tokens: dict[str, str] = {}
         for modality in ("image", "video", "audio"):
-            token = getattr(self.processor, f"{modality}_token", None)
-            if isinstance(token, str) and token:
-                tokens[token] = modality
+            text = self.family.placeholder_text(self.processor, modality)
+            if text is not None:
+                tokens[text] = modality
         return tokens
 
     def _expanded(
@@ -563,10 +571,14 @@ class ChatCodec:
         pieces: list[str] = []
         pos = 0
         for match in pattern.finditer(text):
-            queue = queues[tokens[match.group(0)]]
+            modality = tokens[match.group(0)]
+            queue = queues[modality]
             if not queue:
                 return None  # more placeholders than media: the processor says what is wrong
-            pieces += [text[pos : match.start()], match.group(0) * queue.pop(0)]
+            expanded = self.family.expansion(self.processor, modality, queue.pop(0))
+            if expanded is None:
+                return None  # a count only the processor can write out (Gemma 3's crops)
+            pieces += [text[pos : match.start()], expanded]
             pos = match.end()
         if any(queues.values()):
             return None  # media without placeholders: likewise

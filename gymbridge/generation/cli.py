@@ -4,6 +4,7 @@
 
     gymbridge model serve --tiny [--seed S] [--host H] [--port P] [--enable-weight-updates]
     gymbridge model serve --tiny-omni [--seed S] ...      # image, video and audio
+    gymbridge model serve --model tiny:gemma3 [--seed S] ...   # a tiny family (docs/models.md)
     gymbridge model serve --model PATH [--backend hf|vllm] [--host H] [--port P]
 
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
@@ -47,9 +48,19 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         action="store_true",
         help="the tiny offline random-weight Qwen2.5-Omni thinker (image, video and audio)",
     )
-    which.add_argument("--model", metavar="PATH", help="a local Hugging Face model directory")
+    which.add_argument(
+        "--model",
+        metavar="PATH|tiny:FAMILY",
+        help="a local Hugging Face model directory, or tiny:FAMILY (qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, "
+        "internvl, qwen2_5_omni: a tiny offline random-weight model of that family)",
+    )
     p.add_argument("--backend", choices=("hf", "vllm"), default="hf", help="generation backend (default hf)")
-    p.add_argument("--seed", type=int, default=0, help="weight seed of --tiny / --tiny-omni (default 0)")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="weight seed of --tiny / --tiny-omni / --model tiny:FAMILY (default 0)",
+    )
     add_address_arguments(p, DEFAULT_MODEL_PORT)
     p.add_argument("--max-model-len", type=int, default=None, help="context window (default: the model's)")
     p.add_argument("--default-max-tokens", type=int, default=1024, help="max tokens when a request sets none")
@@ -113,13 +124,22 @@ def check_model_dir(path: str) -> Path:
 
 def build_generator(args: argparse.Namespace) -> Any:
     """The generator the arguments name."""
+    from gymbridge.testing.families import parse_tiny_spec
+
     reasoning = not args.no_reasoning_parser
     tiny_omni = bool(getattr(args, "tiny_omni", False))
-    if (args.tiny or tiny_omni) and args.backend != "hf":
+    family = parse_tiny_spec(args.model) if args.model is not None else None
+    if (args.tiny or tiny_omni or family is not None) and args.backend != "hf":
         from gymbridge.errors import ConfigError
 
-        flag = "--tiny-omni" if tiny_omni else "--tiny"
+        flag = "--tiny-omni" if tiny_omni else "--tiny" if args.tiny else f"--model {args.model}"
         raise ConfigError([f"{flag} is the transformers model: it runs on --backend hf only"])
+    if family is not None:
+        from gymbridge.generation.hf import HFGenerator
+
+        return HFGenerator.tiny_family(
+            family, args.seed, max_model_len=args.max_model_len, reasoning_parser=reasoning
+        )
     if args.tiny or tiny_omni:
         from gymbridge.generation.hf import HFGenerator
 
@@ -151,8 +171,9 @@ def weight_sink_for(generator: Any) -> Any:
 
 async def _serve(args: argparse.Namespace) -> None:
     from gymbridge.server._base import probe_port, serve_until_stopped
+    from gymbridge.testing.families import parse_tiny_spec
 
-    if args.model is not None:
+    if args.model is not None and parse_tiny_spec(args.model) is None:
         check_model_dir(args.model)
     probe_port(args.host, args.port)  # a taken port fails now, before torch and the model load
 

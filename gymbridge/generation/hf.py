@@ -122,6 +122,37 @@ def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Ten
     return out
 
 
+def _tokenizer_processor(path: str) -> Any:
+    """A saved tokenizer; for a Qwen-VL-style model (Qwen-VL, the Qwen2.5-Omni thinker, or one of no
+    registered family) with a saved image processor but no processor class, that image processor with
+    Qwen-VL placeholder expansion of the model's own image placeholder
+    (:func:`image_placeholder_token`; :class:`~gymbridge.testing.tiny_vlm.TinyVLMProcessor`)."""
+    import transformers
+
+    from gymbridge.families import GENERIC, QwenVL, family_of
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        config: Any = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        config = None
+    family = family_of(config) if config is not None else GENERIC
+    if family is not GENERIC and not isinstance(family, QwenVL):
+        return tokenizer  # another family's expansion is not Qwen-VL's
+    image_token = image_placeholder_token(path, tokenizer)
+    if image_token is None:
+        return tokenizer
+    try:
+        image_processor = transformers.AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+            path, local_files_only=True
+        )
+    except (OSError, ValueError, ImportError):
+        return tokenizer
+    from gymbridge.testing.tiny_vlm import TinyVLMProcessor
+
+    return TinyVLMProcessor(tokenizer, image_processor, image_token=image_token)
+
+
 class HFGenerator:
     """Generate with a transformers model; see the module docstring."""
 
@@ -151,9 +182,16 @@ class HFGenerator:
         self.model_name = model_name
         pad = self.tokenizer.pad_token_id
         self.pad_token_id: int = int(pad if pad is not None else self.codec.end_of_turn_id)
-        self.image_token_id: int | None = getattr(model.config, "image_token_id", None)
-        self.video_token_id: int | None = getattr(model.config, "video_token_id", None)
-        self.audio_token_id: int | None = getattr(model.config, "audio_token_id", None)
+        from gymbridge.families import GENERIC, family_of
+
+        self.family = family_of(model)
+        """The model's family (:mod:`gymbridge.families`): its placeholder, count and token-type rules."""
+        if self.family is GENERIC:
+            self.family = family_of(processor)
+        found = self.family.placeholder_ids(model.config)
+        self.image_token_id: int | None = found.get("image")
+        self.video_token_id: int | None = found.get("video")
+        self.audio_token_id: int | None = found.get("audio")
         self.placeholder_token_ids: dict[str, int | None] = {
             "image": self.image_token_id,
             "video": self.video_token_id,
@@ -168,7 +206,6 @@ class HFGenerator:
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         """Rows of the input embedding: a prompt id outside ``[0, vocab_size)`` is refused."""
         self._forward_params = frozenset(inspect.signature(model.forward).parameters)
-        self._wants_mm_token_types = "mm_token_type_ids" in self._forward_params
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
         self._media_cache: MediaCache | None = None
@@ -196,16 +233,27 @@ class HFGenerator:
         return cls(tiny.model, tiny.processor, **kwargs)
 
     @classmethod
+    def tiny_family(cls, family: str, seed: int = 0, **kwargs: Any) -> HFGenerator:
+        """A private copy of the tiny offline model of ``family`` (:mod:`gymbridge.testing.families`)."""
+        from gymbridge.testing.families import tiny_family_policy, tiny_model
+
+        tiny = tiny_model(family, seed)
+        kwargs.setdefault("model_name", tiny.name)
+        return cls(tiny_family_policy(family, seed), tiny.processor, **kwargs)
+
+    @classmethod
     def from_pretrained(
         cls, path: str, *, dtype: str = "float32", device: str | None = None, **kwargs: Any
     ) -> HFGenerator:
         """Load a model and its processor from a local directory (no hub access).
 
-        Uses ``AutoProcessor``; where that cannot load (Qwen2-VL's and Qwen2.5-Omni's full
-        processors need torchvision for video), falls back to ``AutoTokenizer`` +
-        ``AutoImageProcessor`` with Qwen2-VL-style placeholder expansion (images only) of the
-        model's own image placeholder (:func:`image_placeholder_token`: ``<|image_pad|>``,
-        Qwen2.5-Omni's ``<|IMAGE|>``), else a text-only tokenizer.
+        Uses ``AutoProcessor``; where that cannot load (Qwen-VL's and InternVL's full processors
+        need torchvision for video), the saved processor class without its video processor
+        (:func:`~gymbridge.families.load_image_only_processor`: images only); else, for a Qwen-VL
+        tokenizer without a saved processor, ``AutoTokenizer`` + ``AutoImageProcessor`` with
+        Qwen-VL placeholder expansion of the model's own image placeholder
+        (:func:`image_placeholder_token`: ``<|image_pad|>``, Qwen2.5-Omni's ``<|IMAGE|>``); else a
+        text-only tokenizer.
         """
         import transformers
 
@@ -216,22 +264,10 @@ class HFGenerator:
                 path, local_files_only=True
             )
         except (OSError, ValueError, ImportError) as exc:
-            # e.g. Qwen2-VL's full processor needs torchvision (for video): fall back to
-            # tokenizer + image processor, expanding <|image_pad|> the Qwen2-VL way.
-            logger.info("AutoProcessor failed for %s (%s); using tokenizer + image processor", path, exc)
-            processor = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-            image_token = image_placeholder_token(path, processor)
-            if image_token is not None:
-                try:
-                    image_processor = transformers.AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
-                        path, local_files_only=True
-                    )
-                except (OSError, ValueError, ImportError):
-                    image_processor = None
-                if image_processor is not None:
-                    from gymbridge.testing.tiny_vlm import TinyVLMProcessor
+            from gymbridge.families import load_image_only_processor
 
-                    processor = TinyVLMProcessor(processor, image_processor, image_token=image_token)
+            logger.info("AutoProcessor failed for %s (%s); loading it without video", path, exc)
+            processor = load_image_only_processor(path) or _tokenizer_processor(path)
         model: Any = None
         for auto in ("AutoModelForImageTextToText", "AutoModelForVision2Seq", "AutoModelForCausalLM"):
             loader = getattr(transformers, auto, None)
@@ -320,7 +356,7 @@ class HFGenerator:
         (:meth:`use_media_cache`, the model server's) a medium's tensors are computed once per
         content key (``GenerationInput.media`` gives the keys).
         """
-        from gymbridge.tensors.processor import num_placeholders, process_decoded, sub_processors
+        from gymbridge.tensors.processor import process_decoded, sub_processors
 
         subs = sub_processors(self.processor)
         per_key: dict[str, list[torch.Tensor]] = {}
@@ -355,7 +391,7 @@ class HFGenerator:
                         raise ProtocolError(
                             f"input {i}: {name} failed on a {modality}: {type(exc).__name__}: {exc}"
                         ) from exc
-                    want += num_placeholders(modality, outputs, sub) or 0
+                    want += self.family.num_placeholders(modality, outputs, self.processor) or 0
                     for key, value in outputs.items():
                         per_key.setdefault(key, []).append(value)
                 if token_id is not None and have != want:
@@ -367,18 +403,14 @@ class HFGenerator:
         device = self.model.device
         return {k: torch.cat(v, dim=0).to(device) for k, v in per_key.items()}
 
-    def mm_token_type_ids(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[B, L]`` modality of each token (0 text, 1 image, 2 video), as Qwen-VL's M-RoPE needs."""
-        types = torch.zeros_like(ids, dtype=torch.int32)
-        if self.image_token_id is not None:
-            types[ids == self.image_token_id] = 1
-        if self.video_token_id is not None:
-            types[ids == self.video_token_id] = 2
-        return types
-
     def model_inputs(self, ids: torch.Tensor, mask: torch.Tensor, media: dict[str, Any]) -> dict[str, Any]:
-        """Keyword inputs of the model for ``[B, L]`` token ids, their mask and the media kwargs."""
-        from gymbridge.tensors.processor import forward_media_kwargs
+        """Keyword inputs of the model for ``[B, L]`` token ids, their mask and the media kwargs.
+
+        The family's per-token inputs come with the media (Qwen's ``mm_token_type_ids``, Gemma 3's
+        ``token_type_ids``: :meth:`~gymbridge.families.ModelFamily.token_type_kwargs`), computed
+        the way the trainer computes them.
+        """
+        from gymbridge.tensors.processor import MEDIA_KEY_MODALITY, forward_media_kwargs
 
         device = self.model.device
         try:
@@ -386,8 +418,9 @@ class HFGenerator:
         except ValueError as exc:
             raise ProtocolError(str(exc)) from exc
         kwargs: dict[str, Any] = {"input_ids": ids.to(device), "attention_mask": mask.to(device), **named}
-        if media and self._wants_mm_token_types:
-            kwargs["mm_token_type_ids"] = self.mm_token_type_ids(ids).to(device)
+        present = {MEDIA_KEY_MODALITY.get(k, "other") for k in media}
+        types = self.family.token_type_kwargs(self.model.config, ids, present, self._forward_params)
+        kwargs.update({k: v.to(device) for k, v in types.items()})
         return kwargs
 
     def _generation_config(self, sampling: SamplingConfig) -> Any:

@@ -477,8 +477,7 @@ class ModelServer:
         return self.media_cache.get_or_make(f"decoded:{modality}", item.key, decode)
 
     def _placeholders(self, item: MediaItem) -> int | None:
-        """Placeholder tokens of ``item`` from its processor outputs (processed once per key)."""
-        from gymbridge.tensors.processor import num_placeholders
+        """Placeholder tokens of ``item`` (its family's count) from its outputs, processed once per key."""
 
         sub = self._subs.get(item.modality)
         if sub is None:
@@ -491,7 +490,7 @@ class ModelServer:
             raise ProtocolError(
                 f"{type(sub).__name__} failed on a {item.modality}: {type(exc).__name__}: {exc}"
             ) from exc
-        return num_placeholders(item.modality, outputs, sub)
+        return self.codec.family.num_placeholders(item.modality, outputs, self.codec.processor)
 
     async def _media_cache_stats(self, _request: web.Request) -> web.Response:
         return _json(self.media_cache.stats())

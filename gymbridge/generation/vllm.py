@@ -13,8 +13,11 @@ already expanded (``<|image_pad|>`` x N per image), which is what the trajectory
 and the trainer trains on. vLLM's multimodal processor expands placeholders itself, and on
 a token prompt it does so again (its prompt-update step reports
 ``is_update_applied=False`` for token input), so :meth:`VLLMGenerator.build_request`
-collapses each run of a modality's placeholder id to one token, the way the model's
-processor expects it (one run per media item; any other count is refused). vLLM reports
+cuts each item's expansion back to the one placeholder the model's processor expects, by the
+model family's rule (:meth:`~gymbridge.families.ModelFamily.vllm_prompt`: Qwen's run of
+``<|image_pad|>`` to one; Gemma 3's ``\n\n<start_of_image>`` ... ``<end_of_image>\n\n`` block to
+``<start_of_image>``; InternVL's ``<img>`` ... ``</img>`` to ``<IMG_CONTEXT>``; one per media item,
+any other count is refused). vLLM reports
 the prompt it ran (``RequestOutput.prompt_token_ids``, expanded again); it must equal the
 recorded prompt token for token, else :class:`VLLMGenerationError` names the first
 difference, so a placeholder mismatch can never reach training silently.
@@ -83,7 +86,6 @@ from gymbridge.generation.types import (
     SamplingConfig,
     fit_max_tokens,
     media_special_token_ids,
-    model_sub_configs,
 )
 from gymbridge.trajectory.types import GenerationInput
 
@@ -236,44 +238,45 @@ def _worker_world_rank() -> int:
 
 
 def placeholder_token_ids(hf_config: Any) -> dict[str, int]:
-    """Modality -> the placeholder id its processor expands (``image_token_id`` / ``*_token_index``,
+    """Modality -> the placeholder id its processor expands (the model family's
+    :meth:`~gymbridge.families.ModelFamily.placeholder_ids`: ``image_token_id`` / ``*_token_index``,
     on any of :func:`~gymbridge.generation.types.model_sub_configs`)."""
-    out: dict[str, int] = {}
-    for cfg in model_sub_configs(hf_config):
-        for modality in ("image", "video", "audio"):
-            for attr in (f"{modality}_token_id", f"{modality}_token_index"):
-                value = getattr(cfg, attr, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-                    out.setdefault(modality, value)
-    return out
+    from gymbridge.families import family_of
+
+    return family_of(hf_config).placeholder_ids(hf_config)
 
 
 def collapse_placeholders(
-    prompt_token_ids: Sequence[int], media_counts: dict[str, int], placeholders: dict[str, int]
+    prompt_token_ids: Sequence[int],
+    media_counts: dict[str, int],
+    placeholders: dict[str, int],
+    *,
+    family: Any = None,
+    hf_config: Any = None,
+    tokenizer: Any = None,
 ) -> list[int]:
-    """``prompt_token_ids`` with each run of a modality's placeholder id collapsed to one token.
+    """``prompt_token_ids`` with each item's expansion cut back to one placeholder (module docstring).
 
-    Only modalities with media are collapsed; each must have exactly one run per media item
-    (else :class:`VLLMGenerationError`: the prompt and its media disagree).
+    Generic (no ``family``): each run of a modality's placeholder id (``placeholders``) becomes one
+    token. With a ``family`` (and the engine's ``hf_config`` / the ``tokenizer``), the family's rule
+    (:meth:`~gymbridge.families.ModelFamily.vllm_prompt`). Only modalities with media are
+    collapsed; each must have exactly one item per medium (else :class:`VLLMGenerationError`:
+    the prompt and its media disagree).
     """
-    collapse = {placeholders[m]: m for m, n in media_counts.items() if n and m in placeholders}
-    if not collapse:
-        return list(prompt_token_ids)
-    out: list[int] = []
-    runs: dict[str, int] = dict.fromkeys(collapse.values(), 0)
-    previous: int | None = None
-    for token in prompt_token_ids:
-        if token in collapse and token == previous:
-            continue
-        if token in collapse:
-            runs[collapse[token]] += 1
-        out.append(token)
-        previous = token
-    for modality, count in runs.items():
-        if count != media_counts[modality]:
+    from gymbridge.families import collapse_runs
+
+    out: list[int]
+    found: dict[str, int]
+    if family is not None and hf_config is not None:
+        out, found = family.vllm_prompt(prompt_token_ids, media_counts, hf_config, tokenizer)
+    else:
+        collapse = {placeholders[m]: m for m, n in media_counts.items() if n and m in placeholders}
+        out, found = collapse_runs(prompt_token_ids, collapse)
+    for modality, count in found.items():
+        if count != media_counts.get(modality, 0):
             raise VLLMGenerationError(
                 f"the prompt holds {count} run(s) of {modality} placeholders for "
-                f"{media_counts[modality]} {modality} item(s): each item needs exactly one run"
+                f"{media_counts.get(modality, 0)} {modality} item(s): each item needs exactly one run"
             )
     return out
 
@@ -377,6 +380,11 @@ class VLLMGenerator:
         found = media_special_token_ids(hf_config) if hf_config is not None else ()
         self.suppressed_token_ids: tuple[int, ...] = tuple(sorted(set(found) | set(suppress_token_ids or ())))
         """Ids never sampled (``logit_bias`` -inf); the trainer must renormalise without them."""
+        from gymbridge.families import family_of
+
+        self._hf_config = hf_config
+        self.family = family_of(hf_config) if hf_config is not None else None
+        """The model's family: its rule for the prompt vLLM's processor expects."""
         self.placeholder_token_ids: dict[str, int] = (
             placeholder_token_ids(hf_config) if hf_config is not None else {}
         )
@@ -407,7 +415,14 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
 
         counts = {m: len(v) for m, v in inp.multi_modal_data.items()}
-        ids = collapse_placeholders(inp.prompt_token_ids, counts, self.placeholder_token_ids)
+        ids = collapse_placeholders(
+            inp.prompt_token_ids,
+            counts,
+            self.placeholder_token_ids,
+            family=self.family,
+            hf_config=self._hf_config,
+            tokenizer=getattr(self.codec, "tokenizer", None),
+        )
         prompt: Any = TokensPrompt(prompt_token_ids=ids)
         if inp.multi_modal_data:
             prompt["multi_modal_data"] = {

@@ -5,6 +5,7 @@
     gymbridge train --env my_pkg.envs:MyEnv --dataset rows.jsonl --model /models/qwen2-vl-2b
     gymbridge train --agent-url http://127.0.0.1:8000 --dataset rows.jsonl --model-port 8010
     gymbridge train --config smoke --set trainer.lr=1e-3 --steps 20
+    gymbridge smoke run --model tiny:gemma3 --steps 2     # a tiny model of one VLM family
     gymbridge train --resume runs/color_pick-20261202T101500Z
     gymbridge smoke run [--native | --config smoke_color_tool | --env beep_count ...]
 
@@ -63,7 +64,12 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
     )
     parser.add_argument("--dataset", default=None, help="NeMo Gym rows (jsonl) to train on")
     parser.add_argument(
-        "--model", default=None, help="tiny (default) or a local Hugging Face model directory"
+        "--model",
+        default=None,
+        metavar="tiny|tiny:FAMILY|PATH",
+        help="tiny (default; by the env's modalities), tiny:FAMILY (qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, "
+        "internvl, qwen2_5_omni: a tiny offline model of that family, docs/models.md) or a local Hugging "
+        "Face model directory",
     )
     parser.add_argument(
         "--backend", choices=("hf", "vllm"), default=None, help="generation backend of --model"

@@ -95,9 +95,11 @@ class ModelConfig(StrictModel):
     """The ``model:`` section: the policy, and the generator's copy of it."""
 
     name: str = "tiny"
-    """``tiny`` (the offline random-weight Qwen2-VL, or the Qwen2.5-Omni thinker when the environment
-    takes audio or video), ``tiny-qwen2-vl`` / ``tiny-qwen2.5-omni``, or a local Hugging Face model
-    directory (never downloaded)."""
+    """``tiny`` (the offline random-weight Qwen2-VL, ``tiny:qwen2_vl``, or the Qwen2.5-Omni thinker when
+    the environment takes audio or video), ``tiny:FAMILY`` (a tiny model of one VLM family:
+    qwen2_vl, qwen2_5_vl, qwen3_vl, gemma3, internvl, qwen2_5_omni; docs/models.md),
+    ``tiny-qwen2-vl`` / ``tiny-qwen2.5-omni`` (aliases of ``tiny:qwen2_vl`` / ``tiny:qwen2_5_omni``),
+    or a local Hugging Face model directory (never downloaded)."""
     seed: int = 0
     """Seed of the tiny model's random weights."""
     backend: Literal["hf", "vllm"] = "hf"
@@ -108,17 +110,24 @@ class ModelConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _tiny_or_a_directory(cls, value: str) -> str:
-        from gymbridge.run.model import TINY_MODELS
+        from gymbridge.run.model import TINY_MODELS, is_tiny_name, tiny_family_of
+        from gymbridge.testing.families import TINY_FAMILIES, TINY_PREFIX
 
-        if value not in TINY_MODELS and not Path(value).is_dir():
-            raise ValueError(f"{value!r} is neither one of {', '.join(TINY_MODELS)} nor a model directory")
+        if is_tiny_name(value):
+            try:
+                tiny_family_of(value)
+            except ConfigError as e:
+                raise ValueError("; ".join(e.problems)) from None
+        elif not Path(value).is_dir():
+            tiny = ", ".join((*TINY_MODELS, *(f"{TINY_PREFIX}{f}" for f in TINY_FAMILIES)))
+            raise ValueError(f"{value!r} is neither a tiny model ({tiny}) nor a model directory")
         return value
 
     @property
     def is_tiny(self) -> bool:
-        from gymbridge.run.model import TINY_MODELS
+        from gymbridge.run.model import is_tiny_name
 
-        return self.name in TINY_MODELS
+        return is_tiny_name(self.name)
 
 
 class RolloutConfig(StrictModel):

@@ -1,10 +1,13 @@
 """The run's model: the trainer's policy, its processor, and how the generator builds its own copy.
 
-``model.name`` is one of :data:`TINY_MODELS` (random weights from a small config of the real
-architecture, offline, in milliseconds) or a local Hugging Face model directory, loaded with
+``model.name`` is a tiny model (random weights from a small config of the real architecture,
+offline, in seconds): ``tiny:FAMILY`` for each family of
+:data:`~gymbridge.testing.families.TINY_FAMILIES` (docs/models.md), or one of :data:`TINY_MODELS`
+(``tiny-qwen2-vl`` = ``tiny:qwen2_vl``, ``tiny-qwen2.5-omni`` = ``tiny:qwen2_5_omni``; ``tiny``
+picks the Qwen2.5-Omni thinker when the environment takes audio or video, else ``tiny:qwen2_vl``);
+or a local Hugging Face model directory, loaded with
 :meth:`~gymbridge.generation.hf.HFGenerator.from_pretrained` (``local_files_only``; never from a
-hub, never remote code). ``tiny`` picks the Qwen2.5-Omni thinker when the environment takes
-audio or video, else the Qwen2-VL.
+hub, never remote code).
 
 Invariant: the generator never holds the trainer's model object: :attr:`RunModel.policy_factory`
 builds it a copy of its own, so an optimizer step never changes weights under a running generation.
@@ -12,6 +15,7 @@ builds it a copy of its own, so an optimizer step never changes weights under a 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +23,40 @@ from typing import Any
 
 from gymbridge.errors import ConfigError
 
-__all__ = ["TINY_MODELS", "RunModel", "load_pretrained", "pick_model", "require_vllm"]
+__all__ = [
+    "TINY_ALIASES",
+    "TINY_MODELS",
+    "RunModel",
+    "is_tiny_name",
+    "load_pretrained",
+    "pick_model",
+    "require_vllm",
+    "tiny_family_of",
+]
 
 TINY_MODELS = ("tiny", "tiny-qwen2-vl", "tiny-qwen2.5-omni")
-"""``model.name`` values naming the offline tiny models (``tiny``: by the environment's modalities)."""
+"""``model.name`` values naming the offline tiny models (``tiny``: by the environment's modalities);
+every ``tiny:FAMILY`` names one too."""
+
+TINY_ALIASES: dict[str, str] = {"tiny-qwen2-vl": "qwen2_vl", "tiny-qwen2.5-omni": "qwen2_5_omni"}
+"""The older tiny model names -> the family each is (the same model as ``tiny:FAMILY``)."""
+
+
+def is_tiny_name(name: str) -> bool:
+    """``name`` names a tiny model (:data:`TINY_MODELS` or ``tiny:FAMILY``), not a model directory."""
+    return name in TINY_MODELS or name.startswith("tiny:")
+
+
+def tiny_family_of(name: str, modalities: tuple[str, ...] = ()) -> str | None:
+    """The tiny family ``name`` builds (``None``: a model directory); ``tiny`` goes by ``modalities``.
+
+    An unknown ``tiny:FAMILY`` is a :class:`ConfigError` listing the families.
+    """
+    from gymbridge.testing.families import parse_tiny_spec
+
+    if name == "tiny":
+        return "qwen2_5_omni" if {"video", "audio"} & set(modalities) else "qwen2_vl"
+    return TINY_ALIASES.get(name) or parse_tiny_spec(name)
 
 
 @dataclass(frozen=True)
@@ -44,13 +78,14 @@ class RunModel:
 
 def pick_model(name: str, seed: int, modalities: tuple[str, ...], backend: str = "hf") -> RunModel:
     """The model ``name`` (module docstring); ``modalities`` are the environment's (``tiny``'s choice)."""
-    if name not in TINY_MODELS:
+    family = tiny_family_of(name, modalities)
+    if family is None:
         return load_pretrained(name, backend)
-    if name == "tiny":
-        name = "tiny-qwen2.5-omni" if {"video", "audio"} & set(modalities) else "tiny-qwen2-vl"
+    if family not in TINY_ALIASES.values():
+        return _tiny_family_model(family, seed)
     from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
 
-    if name == "tiny-qwen2.5-omni":
+    if family == "qwen2_5_omni":
         from gymbridge.testing.tiny_omni import build_tiny_omni
 
         omni = build_tiny_omni(seed)
@@ -74,6 +109,24 @@ def pick_model(name: str, seed: int, modalities: tuple[str, ...], backend: str =
         (vlm.image_token_id, vlm.video_token_id),
         tiny_policy,
         "--tiny",
+    )
+
+
+def _tiny_family_model(family: str, seed: int) -> RunModel:
+    """The tiny model of ``family``: a private trainable copy of it, every placeholder id it has
+    (a rollout must never generate one), a picklable policy factory, and the
+    ``gymbridge model serve --model tiny:FAMILY`` flags of the same model (``placement: process``)."""
+    from gymbridge.testing.families import TINY_PREFIX, tiny_family_policy, tiny_model
+
+    tiny = tiny_model(family, seed)
+    return RunModel(
+        tiny.name,
+        tiny.processor,
+        tiny.tokenizer,
+        tiny_family_policy(family, seed),
+        tuple(sorted(set(tiny.placeholder_token_ids.values()))),
+        functools.partial(tiny_family_policy, family),
+        ("--model", f"{TINY_PREFIX}{family}"),
     )
 
 

@@ -21,6 +21,8 @@ Invariants:
   stride-2 stages ``((L - 1) // 2 + 1 - 2) // 2 + 1``, or the processor's own
   ``num_audio_tokens``), or ``None`` when the processor gives no way to know it (then the
   placeholder check is skipped, logged);
+* outputs that only size the text expansion (a family's ``processor_only_keys``: Gemma 3's
+  ``num_crops``, InternVL's ``num_patches``) are dropped: they are no model input;
 * output keys carry the names the model's ``forward`` takes: an audio feature extractor's
   ``attention_mask`` becomes ``feature_attention_mask`` (it must never reach the model as
   the *text* attention mask), and a video gets ``video_second_per_grid`` (seconds per
@@ -213,9 +215,12 @@ def process_decoded(modality: str, sub: Any, decoded: Any) -> dict[str, torch.Te
         )
     else:
         raise ValueError(f"unknown modality {modality!r}")
+    from gymbridge.families import processor_only_keys
+
+    dropped = processor_only_keys()
     outputs: dict[str, torch.Tensor] = {}
     for out_key, value in feats.items():
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or out_key in dropped:
             continue
         if modality == "audio" and out_key == "attention_mask":
             out_key = "feature_attention_mask"  # the feature mask, never the text mask
@@ -299,8 +304,11 @@ class MediaProcessor:
 
     ``processor`` is a Hugging Face processor (``processor.image_processor`` etc.) or a
     bare image processor. ``image_token_id`` / ``video_token_id`` / ``audio_token_id`` default
-    to the processor's own (``processor.image_token_id``, or its ``image_token`` looked up in its
-    tokenizer). ``name`` overrides the processor class name in the spec.
+    to the token each item expands to, as the processor's family reads it
+    (:meth:`~gymbridge.families.ModelFamily.processor_placeholder_ids`: ``processor.image_token_id``,
+    or Gemma 3's soft image token); an item's placeholder count is the family's too
+    (:meth:`~gymbridge.families.ModelFamily.num_placeholders`). ``name`` overrides the processor
+    class name in the spec.
     """
 
     def __init__(
@@ -321,30 +329,17 @@ class MediaProcessor:
         for modality, sub in self._subs.items():
             text = f"{base}|{modality}|{type(sub).__qualname__}|{_config_of(sub)}"
             self._spec[modality] = hashlib.sha256(text.encode()).hexdigest()[:24]
-        self.image_token_id = (
-            image_token_id if image_token_id is not None else self._token_id("image_token_id", "image_token")
-        )
-        self.video_token_id = (
-            video_token_id if video_token_id is not None else self._token_id("video_token_id", "video_token")
-        )
-        self.audio_token_id = (
-            audio_token_id if audio_token_id is not None else self._token_id("audio_token_id", "audio_token")
-        )
+        from gymbridge.families import family_of
+
+        self.family = family_of(processor)
+        found = self.family.processor_placeholder_ids(processor)
+        self.image_token_id = image_token_id if image_token_id is not None else found.get("image")
+        self.video_token_id = video_token_id if video_token_id is not None else found.get("video")
+        self.audio_token_id = audio_token_id if audio_token_id is not None else found.get("audio")
         tokenizer = getattr(processor, "tokenizer", None)
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         self.pad_token_id: int | None = int(pad) if isinstance(pad, int) else None
         self.stats = ProcessorStats()
-
-    def _token_id(self, id_attr: str, token_attr: str) -> int | None:
-        value = getattr(self.processor, id_attr, None)
-        if isinstance(value, int):
-            return value
-        token = getattr(self.processor, token_attr, None)
-        tokenizer = getattr(self.processor, "tokenizer", None)
-        if isinstance(token, str) and tokenizer is not None:
-            tid = tokenizer.convert_tokens_to_ids(token)
-            return int(tid) if isinstance(tid, int) else None
-        return None
 
     @property
     def modalities(self) -> tuple[str, ...]:
@@ -413,7 +408,7 @@ class MediaProcessor:
         provenance = {
             k: derive_provenance(item.key, spec, k, str(v.dtype)) for k, v in sorted(outputs.items())
         }
-        num = num_placeholders(modality, outputs, sub)
+        num = self.family.num_placeholders(modality, outputs, self.processor)
         self.stats.items_processed += 1
         self.stats.per_modality[modality] = self.stats.per_modality.get(modality, 0) + 1
         return ProcessedMedia(modality, item.key, outputs, provenance, num)

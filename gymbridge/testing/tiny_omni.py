@@ -151,17 +151,27 @@ class TinyVideoProcessor:
         flat = patches.reshape(grid_t * grid_h * grid_w, 3 * tp * p * p)
         return torch.from_numpy(np.ascontiguousarray(flat)), torch.tensor([[grid_t, grid_h, grid_w]])
 
-    def __call__(self, videos: Any, return_tensors: str | None = "pt", **kwargs: Any) -> Any:
+    def __call__(
+        self, videos: Any, return_tensors: str | None = "pt", return_metadata: bool = False, **kwargs: Any
+    ) -> Any:
+        """``return_metadata``: also ``video_metadata``, one ``VideoMetadata`` per video (its frames were
+        sampled at :attr:`fps`: every frame kept), what a transformers processor reads its timing from."""
         from transformers import BatchFeature
 
+        videos = list(videos)
         done = [self._one(v) for v in videos]
-        return BatchFeature(
-            data={
-                "pixel_values_videos": torch.cat([d[0] for d in done]),
-                "video_grid_thw": torch.cat([d[1] for d in done]),
-            },
-            tensor_type=None,
-        )
+        data: dict[str, Any] = {
+            "pixel_values_videos": torch.cat([d[0] for d in done]),
+            "video_grid_thw": torch.cat([d[1] for d in done]),
+        }
+        if return_metadata:
+            from transformers.video_utils import VideoMetadata
+
+            data["video_metadata"] = [
+                VideoMetadata(total_num_frames=len(v), fps=self.fps, frames_indices=list(range(len(v))))
+                for v in videos
+            ]
+        return BatchFeature(data=data, tensor_type=None)
 
 
 def tiny_feature_extractor() -> Any:

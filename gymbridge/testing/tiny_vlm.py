@@ -46,6 +46,7 @@ __all__ = [
     "TinyVLMProcessor",
     "build_tiny_tokenizer",
     "build_tiny_vlm",
+    "qwen_chat_template",
 ]
 
 IMAGE_PAD = "<|image_pad|>"
@@ -176,12 +177,32 @@ _RAW_CHAT_TEMPLATE = (
 _CHAT_TEMPLATE = _RAW_CHAT_TEMPLATE.replace("%}\n", "%}{{ '\\n' }}")
 
 
-def build_tiny_tokenizer(special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Any:
+def qwen_chat_template(image: str = "<|vision_start|><|image_pad|><|vision_end|>") -> str:
+    """The Qwen-style chat template (Hermes tools, a tool role) with ``image`` as each image part's text.
+
+    Qwen2-VL / Qwen2.5-VL / Qwen3-VL write ``<|vision_start|><|image_pad|><|vision_end|>``;
+    InternVL (a Qwen2.5 language model) writes ``<IMG_CONTEXT>\\n``.
+    """
+    return _CHAT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", image)
+
+
+def build_tiny_tokenizer(
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    *,
+    eos_token: str = IM_END,
+    pad_token: str = END_OF_TEXT,
+    bos_token: str | None = None,
+    named_tokens: dict[str, str] | None = None,
+    chat_template: str | None = None,
+) -> Any:
     """Train a byte-level BPE tokenizer on the built-in corpus; return a ``PreTrainedTokenizerFast``.
 
     Deterministic: the same corpus and settings always give the same vocabulary.
     Special tokens get ids ``0..len(special_tokens)-1`` in their order (default
-    :data:`SPECIAL_TOKENS`; the omni model passes :data:`OMNI_SPECIAL_TOKENS`).
+    :data:`SPECIAL_TOKENS`; the omni model passes :data:`OMNI_SPECIAL_TOKENS`, the other tiny
+    families their own, :mod:`gymbridge.testing.families`). ``named_tokens`` become the
+    tokenizer's named special tokens (``tokenizer.boi_token`` / ``boi_token_id``, what a
+    family's processor reads); ``chat_template`` defaults to the Qwen-style template.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -198,13 +219,17 @@ def build_tiny_tokenizer(special_tokens: Sequence[str] = SPECIAL_TOKENS) -> Any:
         show_progress=False,
     )
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
+    reserved = {eos_token, pad_token, bos_token}
+    extra: dict[str, Any] = {"bos_token": bos_token} if bos_token is not None else {}
+    extra.update(named_tokens or {})  # ``*_token`` keywords: the tokenizer's named special tokens
     fast = fast_cls(
         tokenizer_object=tok,
-        eos_token=IM_END,
-        pad_token=END_OF_TEXT,
-        additional_special_tokens=[t for t in special_tokens if t not in (IM_END, END_OF_TEXT)],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        additional_special_tokens=[t for t in special_tokens if t not in reserved],
+        **extra,
     )
-    fast.chat_template = _CHAT_TEMPLATE
+    fast.chat_template = chat_template if chat_template is not None else _CHAT_TEMPLATE
     for i, name in enumerate(special_tokens):
         got = fast.convert_tokens_to_ids(name)
         if got != i:  # pragma: no cover - guards the tokenizers library's id assignment

@@ -6,19 +6,24 @@ hands the model G copies and its vision tower encodes every copy: deduplication 
 not compute. This module encodes each **unique item** once and gives the model one feature block
 per reference, by index:
 
-* a modality's *item* is a column of its keys' references (``pixel_values`` + ``image_grid_thw``;
-  ``pixel_values_videos`` + ``video_grid_thw``; ``input_features`` + ``feature_attention_mask``):
-  two references are the same item when every key of the modality points them at the same
-  segment (``torch.unique`` over the stacked ``refs``, ``[K, N]`` -> ``U`` items and an
-  ``inverse`` ``[N]``), so nothing is merged that the batch's provenance did not already merge;
+* a modality's *item* is a column of its keys' references (the family's
+  :meth:`~gymbridge.families.ModelFamily.encoder_keys`: Qwen's ``pixel_values`` +
+  ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``, ``input_features`` +
+  ``feature_attention_mask``; Gemma 3's and InternVL's ``pixel_values`` alone): two references
+  are the same item when every key of the modality points them at the same segment
+  (``torch.unique`` over the stacked ``refs``, ``[K, N]`` -> ``U`` items and an ``inverse`` ``[N]``),
+  so nothing is merged that the batch's provenance did not already merge;
 * the model's own encoder (``get_image_features`` / ``get_video_features`` /
-  ``get_audio_features``) runs on the ``U`` items, one output block per item ``[n_u, H]``;
-* reference ``i`` gets block ``inverse[i]`` (the same tensor, not a copy): images and videos
-  through the model's ``mm_encoder_outputs`` input (the model concatenates the blocks and
-  ``masked_scatter`` s them into its placeholder positions, exactly as it does for features it
-  computed itself), audio by building ``inputs_embeds`` with the audio placeholder positions
-  filled the same way (the Qwen2.5-Omni thinker computes audio inside ``forward`` only from
-  ``input_features``);
+  ``get_audio_features``, called by the family's :meth:`~gymbridge.families.ModelFamily.encode`)
+  runs on the ``U`` items; its per-item outputs are taken apart whatever their layout (a tuple
+  of blocks per item: Qwen's ``pooler_output`` and Qwen3-VL's ``deepstack_features`` per layer;
+  or one tensor whose rows follow the items' input rows: Gemma 3's images, InternVL's tiles);
+* reference ``i`` gets item ``inverse[i]``'s outputs (the same tensors, not copies), laid out
+  again the way the encoder returned them: images and videos through the model's
+  ``mm_encoder_outputs`` input (the model concatenates the blocks and ``masked_scatter`` s them
+  into its placeholder positions, exactly as it does for features it computed itself), audio by
+  building ``inputs_embeds`` with the audio placeholder positions filled the same way (the
+  Qwen2.5-Omni thinker computes audio inside ``forward`` only from ``input_features``);
 * the model still receives every reference's grid / mask / timing tensors, in row order
   (materialised: a few integers each), for its M-RoPE positions (``get_rope_index`` walks the
   placeholders of each row and needs one ``grid_thw`` per reference).
@@ -31,16 +36,16 @@ tested for images, video and audio: loss and every parameter's gradient (vision 
 included) match the materialised path within fp32 tolerance.
 
 **When it does not run.** :func:`encoder_plan` returns the reason instead of a plan when the
-model lacks the hook for a modality present (``mm_encoder_outputs`` + ``get_<modality>_features``
-for images / video; ``inputs_embeds`` + ``get_audio_features`` + ``get_input_embeddings`` and a
-model type in :data:`AUDIO_EMBED_MODEL_TYPES` for audio), when a media key of unknown modality
-is present, or when a modality's keys disagree on their references; the caller then uses the
-materialised path (logged once per model class and reason) and reports ``encoder_dedup`` off.
+model's family cannot take a present modality's encoder outputs from outside
+(:meth:`~gymbridge.families.ModelFamily.encoder_reason`: ``mm_encoder_outputs`` +
+``get_<modality>_features`` for images / video; audio only for the Qwen2.5-Omni thinker), when
+a media key the family does not list is present, or when a modality's keys disagree on their
+references; the caller then uses the materialised path (logged once per model class and reason)
+and reports ``encoder_dedup`` off.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -70,15 +75,15 @@ ENCODER_MODALITIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "video": ("pixel_values_videos", ("video_grid_thw",)),
     "audio": ("input_features", ("feature_attention_mask",)),
 }
-"""Per modality: the key the encoder consumes and the per-item keys it takes with it."""
+"""The generic family's encoder keys per modality: the key the encoder consumes and the per-item keys
+it takes with it (a family may list others: :meth:`~gymbridge.families.ModelFamily.encoder_keys`)."""
 
 _METADATA_KEYS = frozenset({"video_second_per_grid", "second_per_grid_ts", "audio_feature_lengths"})
 """Per-reference keys the model reads outside its encoders (timing, lengths): passed for every reference."""
 
 AUDIO_EMBED_MODEL_TYPES = frozenset({"qwen2_5_omni_thinker"})
 """Model types whose ``forward`` encodes audio only from ``input_features`` and otherwise reads audio
-placeholders from ``inputs_embeds`` (with ``input_ids`` and ``feature_attention_mask`` still given for
-M-RoPE); read from ``modeling_qwen2_5_omni.py``. Other audio models fall back to the materialised path."""
+placeholders from ``inputs_embeds`` (the :class:`~gymbridge.families.QwenOmni` family's)."""
 
 _LOGGED: set[tuple[str, str]] = set()
 
@@ -92,6 +97,8 @@ class ModalityItems:
     """The encoder's inputs for the ``U`` unique items (its key and per-item keys), in item order."""
     inverse: torch.Tensor
     """int64 ``[N]``: the unique item of each reference, references in row order."""
+    sizes: tuple[int, ...] = ()
+    """Rows of the encoder key (its ``pack_dim``) of each unique item, in item order."""
 
     @property
     def num_items(self) -> int:
@@ -124,13 +131,16 @@ def encoder_refs(media: Mapping[str, PackedTensor]) -> int:
     return sum(media[primary].num_refs for primary, _ in ENCODER_MODALITIES.values() if primary in media)
 
 
-def unique_items(modality: str, packs: Mapping[str, PackedTensor]) -> ModalityItems | str:
-    """``modality``'s unique items over ``packs`` (its key and per-item keys), or why not.
+def unique_items(
+    modality: str, packs: Mapping[str, PackedTensor], item_keys: tuple[str, tuple[str, ...]] | None = None
+) -> ModalityItems | str:
+    """``modality``'s unique items over ``packs`` (``item_keys``: its key and per-item keys), or why not.
 
-    Every key must hold one reference per item, rows alike (same ``offsets``); otherwise the
-    reason is returned and nothing is merged.
+    ``item_keys`` default to the generic ones (:data:`ENCODER_MODALITIES`). Every key must hold one
+    reference per item, rows alike (same ``offsets``); otherwise the reason is returned and
+    nothing is merged.
     """
-    primary, side = ENCODER_MODALITIES[modality]
+    primary, side = item_keys if item_keys is not None else ENCODER_MODALITIES[modality]
     missing = [k for k in side if k not in packs]
     if missing:
         return f"{modality} key {primary!r} comes without {missing}"
@@ -156,57 +166,39 @@ def unique_items(modality: str, packs: Mapping[str, PackedTensor]) -> ModalityIt
         dense = one_row.materialize()
         assert dense is not None  # columns is non-empty
         inputs[key] = dense
-    return ModalityItems(modality, inputs, inverse.to(torch.int64))
-
-
-def _forward_params(model: Any) -> frozenset[str]:
-    return frozenset(inspect.signature(model.forward).parameters)
-
-
-def _model_reason(model: Any, modality: str, params: frozenset[str]) -> str | None:
-    """Why ``model`` cannot take ``modality``'s encoder outputs from outside (``None``: it can)."""
-    getter = f"get_{modality}_features"
-    if not callable(getattr(model, getter, None)):
-        return f"{type(model).__name__} has no {getter}"
-    if modality in ("image", "video"):
-        if "mm_encoder_outputs" not in params:
-            return f"{type(model).__name__}.forward takes no mm_encoder_outputs"
-        return None
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in AUDIO_EMBED_MODEL_TYPES:
-        return f"model type {model_type!r} is not known to read audio from inputs_embeds"
-    if "inputs_embeds" not in params or not callable(getattr(model, "get_input_embeddings", None)):
-        return f"{type(model).__name__}.forward takes no inputs_embeds"
-    if getattr(model.config, "audio_token_id", None) is None:
-        return f"{type(model).__name__}'s config names no audio_token_id"
-    return None
+    pack = packs[primary]
+    sizes = tuple(int(pack.segments[j].shape[pack.pack_dim]) for j in columns[0].tolist())
+    return ModalityItems(modality, inputs, inverse.to(torch.int64), sizes)
 
 
 def encoder_plan(model: Any, media: Mapping[str, PackedTensor]) -> EncoderPlan | str:
     """The deduplicated encoding of ``media`` (one micro-batch, ``PackedTensor`` per key) for ``model``, or
     the reason it cannot run (module docstring)."""
-    handled = {k for primary, side in ENCODER_MODALITIES.values() for k in (primary, *side)} | _METADATA_KEYS
+    from gymbridge.families import MODALITIES, family_of
+
+    family = family_of(model)
+    keys = {m: k for m in MODALITIES if (k := family.encoder_keys(m)) is not None}
+    handled = {k for primary, side in keys.values() for k in (primary, *side)} | _METADATA_KEYS
     unknown = sorted(k for k in media if k not in handled)
     if unknown:
         return f"media keys of unknown modality {unknown}"
-    params = _forward_params(model)
     items: list[ModalityItems] = []
-    for modality, (primary, side) in ENCODER_MODALITIES.items():
+    for modality, (primary, side) in keys.items():
         present = {k: media[k] for k in (primary, *side) if k in media and media[k].num_refs}
         if not present:
             continue
         if primary not in present:
             continue  # grids without pixels: nothing to encode, passed through for the model to judge
-        reason = _model_reason(model, modality, params)
+        reason = family.encoder_reason(model, modality)
         if reason is None:
-            found = unique_items(modality, present)
+            found = unique_items(modality, present, (primary, side))
             if isinstance(found, str):
                 reason = found
             else:
                 items.append(found)
                 continue
         return reason
-    encoded = {ENCODER_MODALITIES[m.modality][0] for m in items}
+    encoded = {keys[m.modality][0] for m in items}
     passthrough: dict[str, torch.Tensor] = {}
     for key, pack in media.items():
         dense = None if key in encoded else pack.materialize()
@@ -235,30 +227,57 @@ def encode_unique(model: Any, plan: EncoderPlan, input_ids: torch.Tensor) -> dic
     forward inputs that replace the encoder keys: ``mm_encoder_outputs`` (images, video) and
     ``inputs_embeds`` (audio). Differentiable: gradients of shared items are summed over their references.
     """
+    from gymbridge.families import family_of
+
+    family = family_of(model)
     param = next(model.parameters())
     device, dtype = param.device, param.dtype
     kwargs: dict[str, Any] = {}
     outputs: dict[str, Any] = {}
     for mod in plan.items:
-        primary, side = ENCODER_MODALITIES[mod.modality]
         inputs = {k: _cast(v, device, dtype) for k, v in mod.inputs.items()}
         order = mod.inverse.tolist()
         if mod.modality in ("image", "video"):
-            grid_key = side[0]
-            out = getattr(model, f"get_{mod.modality}_features")(
-                inputs[primary], inputs[grid_key], return_dict=True
-            )
-            blocks = tuple(out.pooler_output)
-            if len(blocks) != mod.num_items:
-                raise RuntimeError(
-                    f"get_{mod.modality}_features gave {len(blocks)} outputs for {mod.num_items} items"
-                )
-            outputs[mod.modality] = type(out)(pooler_output=tuple(blocks[u] for u in order))
+            out = family.encode(model, mod.modality, inputs)
+            outputs[mod.modality] = _per_reference(out, mod, order)
             continue
         kwargs["inputs_embeds"] = _scatter_audio(model, inputs, order, input_ids, kwargs.get("inputs_embeds"))
     if outputs:
         kwargs["mm_encoder_outputs"] = outputs
     return kwargs
+
+
+def _per_reference(out: Any, mod: ModalityItems, order: list[int]) -> Any:
+    """``out`` (the encoder's outputs for the unique items) laid out again for every reference, in order.
+
+    Per-item outputs are a tuple of one block per item (Qwen's ``pooler_output``; each layer of
+    Qwen3-VL's ``deepstack_features``) or one tensor whose rows follow the items' input rows
+    (Gemma 3: one image per row; InternVL: one tile per row), split by :attr:`ModalityItems.sizes`.
+    """
+    name = f"get_{mod.modality}_features"
+
+    def items_of(value: Any, what: str) -> list[Any]:
+        if isinstance(value, tuple | list):
+            blocks = list(value)
+        elif isinstance(value, torch.Tensor) and int(value.shape[0]) == sum(mod.sizes):
+            blocks = list(torch.split(value, list(mod.sizes)))
+        else:
+            rows = value.shape[0] if isinstance(value, torch.Tensor) else type(value).__name__
+            raise RuntimeError(f"{name} gave {what} of {rows} rows for items of {list(mod.sizes)} input rows")
+        if len(blocks) != mod.num_items:
+            raise RuntimeError(f"{name} gave {len(blocks)} {what} blocks for {mod.num_items} items")
+        return blocks
+
+    def gather(value: Any, what: str) -> Any:
+        blocks = items_of(value, what)
+        chosen = [blocks[u] for u in order]
+        return tuple(chosen) if isinstance(value, tuple | list) else torch.cat(chosen)
+
+    fields: dict[str, Any] = {"pooler_output": gather(out.pooler_output, "pooler_output")}
+    deepstack = getattr(out, "deepstack_features", None)
+    if deepstack is not None:
+        fields["deepstack_features"] = [gather(layer, "deepstack_features") for layer in deepstack]
+    return type(out)(**fields)
 
 
 def _scatter_audio(

@@ -166,6 +166,7 @@ from gymbridge.trainer.encoder import (
 from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs
 
 if TYPE_CHECKING:
+    from gymbridge.families import ModelFamily
     from gymbridge.tensors import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -417,7 +418,8 @@ def _forward_kwargs(
 ) -> dict[str, Any]:
     """The model's forward inputs for ``batch``; with ``encoder_dedup`` the encoders run once per unique
     item (:mod:`gymbridge.trainer.encoder`) where the model allows, else every reference is materialised."""
-    from gymbridge.tensors.processor import forward_media_kwargs
+    from gymbridge.families import family_of
+    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY, forward_media_kwargs
 
     device = next(model.parameters()).device
     params = inspect.signature(model.forward).parameters
@@ -438,18 +440,12 @@ def _forward_kwargs(
     kwargs["input_ids"] = batch.input_ids.to(device)
     kwargs["attention_mask"] = batch.attention_mask.to(device)
     config = model.config
-    _check_placeholders(config, batch, media)
-    if media and "mm_token_type_ids" in params:
-        types = torch.zeros_like(batch.input_ids, dtype=torch.int32)
-        # only modalities whose media are present: a stray placeholder id is text, not a crash
-        for tid_name, code, key in (
-            ("image_token_id", 1, "image_grid_thw"),
-            ("video_token_id", 2, "video_grid_thw"),
-        ):
-            tid = getattr(config, tid_name, None)
-            if tid is not None and key in media:
-                types[batch.input_ids == tid] = code
-        kwargs["mm_token_type_ids"] = types.to(device)
+    family = family_of(model)
+    _check_placeholders(family, config, batch)
+    # the family's per-token inputs (Qwen's M-RoPE types, Gemma 3's image blocks), as the generator's
+    present = {MEDIA_KEY_MODALITY.get(k, "other") for k in batch.media if batch.media[k].num_refs}
+    types = family.token_type_kwargs(config, batch.input_ids, present, params)
+    kwargs.update({k: v.to(device) for k, v in types.items()})
     if plan is not None and plan.items:
         kwargs.update(encode_unique(model, plan, kwargs["input_ids"]))
     if encoder_stats is not None:
@@ -460,32 +456,27 @@ def _forward_kwargs(
 _PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
 
 
-def _check_placeholders(config: Any, batch: TrainBatch, media: dict[str, torch.Tensor]) -> None:
+def _check_placeholders(family: ModelFamily, config: Any, batch: TrainBatch) -> None:
     """Each modality's placeholder tokens must equal the features its media imply (else the model cannot run).
 
-    Images and videos: ``prod(grid_thw) // spatial_merge_size**2``; audio: the encoder's output
-    length of each clip's ``feature_attention_mask`` frames. Images are always checked; a video or
-    audio placeholder in a batch without media of that modality is plain text to the model
-    (it never looks features up for it), so those are checked when their media are present.
+    The count is the family's (:meth:`~gymbridge.families.ModelFamily.expected_placeholders`: Qwen's
+    ``prod(grid_thw) // merge**2``, Gemma 3's and InternVL's image rows x tokens per image / tile,
+    the audio encoder's output length). Images are always checked; a video or audio placeholder in
+    a batch without media of that modality is plain text to the model (it never looks features up
+    for it), so those are checked when their media are present.
     """
-    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY, audio_output_length
+    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
 
-    vision = getattr(config, "vision_config", None)
-    merge = int(getattr(vision, "spatial_merge_size", 0) or 0)
-    for modality, grid_key in (("image", "image_grid_thw"), ("video", "video_grid_thw"), ("audio", None)):
-        tid = getattr(config, f"{modality}_token_id", None)
+    ids = family.placeholder_ids(config)
+    media = {k: v for k, v in batch.media.items() if v.num_refs}
+    for modality in ("image", "video", "audio"):
+        tid = ids.get(modality)
         present = any(MEDIA_KEY_MODALITY.get(k) == modality for k in media)
         if tid is None or (modality != "image" and not present):
             continue
-        if grid_key is not None:
-            if not merge:
-                continue
-            grid = media.get(grid_key)
-            want = int(grid.to(torch.int64).prod(dim=-1).sum()) // (merge * merge) if grid is not None else 0
-        else:
-            mask = media.get("feature_attention_mask")
-            frames = mask.to(torch.int64).sum(dim=-1).tolist() if mask is not None else []
-            want = sum(audio_output_length(int(f)) for f in frames)
+        want = family.expected_placeholders(config, modality, media)
+        if want is None:
+            continue
         have = int((batch.input_ids == tid).sum())
         if have != want:
             per_row = (batch.input_ids == tid).sum(dim=1).tolist()

@@ -8,8 +8,9 @@ as one packed sequence ``[1, S]``, ``S`` the sum of the rows' lengths: no paddin
 :meth:`PackedRows.unpack` puts per-token values back at each row's positions, so the loss code
 sees the same ``[B, L]`` tensors as without packing.
 
-Three things make a packed forward equal to the padded one (tested on the tiny Qwen2-VL and the
-tiny Qwen2.5-Omni thinker: logprobs, loss and gradients within fp32 tolerance):
+Three things make a packed forward equal to the padded one (tested on every tiny family,
+``tests/families/test_family_matrix.py``, and the tiny Qwen2.5-Omni thinker: logprobs, loss and
+gradients within fp32 tolerance):
 
 * **no cross-row attention**: a block-diagonal causal mask. With the ``eager`` and ``sdpa``
   attention implementations (the CPU ones) it is an explicit 4-D mask ``[1, 1, S, S]``
@@ -26,6 +27,10 @@ tiny Qwen2.5-Omni thinker: logprobs, loss and gradients within fp32 tolerance):
   same ``input_ids``, ``mm_token_type_ids``, grids, audio lengths and attention mask, as the
   model's own forward makes without packing, gathered row by row into the packed order.
   A model without it gets 1-D positions restarting at 0 for each row;
+* **the family's masks**: a family whose attention is not plain causal builds the packed masks
+  itself (:meth:`~gymbridge.families.ModelFamily.packed_attention_mask`): Gemma 3 gets one mask
+  per layer type, bidirectional within each image and windowed on its sliding layers, so its
+  sliding-window layers pack too;
 * **rows keep their order**: row ``b``'s tokens precede row ``b + 1``'s, so the micro-batch's
   media, concatenated in row order (the trainer's media kwargs, computed from the padded
   micro-batch as without packing), still meet their placeholders in the order the model
@@ -49,6 +54,7 @@ from typing import Any
 import torch
 
 from gymbridge.errors import ConfigError
+from gymbridge.families import family_of
 
 __all__ = ["PackedRows", "check_packable", "packed_forward_kwargs", "rope_position_ids"]
 
@@ -232,11 +238,18 @@ def check_packable(model: Any) -> None:
             f"a 4-D block mask ({', '.join(_DENSE_MASK_IMPLS)}) nor packed position ids (flash / flex); "
             "set trainer.sequence_packing=false"
         )
+    family = family_of(model)
+    masks_own = family.packs_own_masks
     layer_types = getattr(_text_config(model), "layer_types", None) or []
-    if dense and any(t != "full_attention" for t in layer_types):
+    if dense and not masks_own and any(t != "full_attention" for t in layer_types):
         problems.append(
             f"trainer.sequence_packing: {name} has {sorted(set(layer_types) - {'full_attention'})} layers, "
             "which a dense block mask would turn into full attention; set trainer.sequence_packing=false"
+        )
+    if masks_own and not dense:
+        problems.append(
+            f"trainer.sequence_packing: {name} ({family.name}) needs its own packed masks, which only the "
+            f"{', '.join(_DENSE_MASK_IMPLS)} attention implementations take; it uses {impl!r}"
         )
     try:
         params = inspect.signature(model.forward).parameters
@@ -278,7 +291,11 @@ def packed_forward_kwargs(model: Any, kwargs: dict[str, Any]) -> tuple[dict[str,
     if out.get("inputs_embeds") is not None:
         out["inputs_embeds"] = rows.pack(out["inputs_embeds"])
     impl = _attn_implementation(model)
-    if impl in _DENSE_MASK_IMPLS:
+    own = family_of(model).packed_attention_mask(model, rows, out)
+    if own is not None:  # the family's masks (Gemma 3: per layer type, bidirectional images)
+        out["attention_mask"] = own
+        out["position_ids"] = positions
+    elif impl in _DENSE_MASK_IMPLS:
         dtype = next(model.parameters()).dtype if impl == "eager" else None
         out["attention_mask"] = rows.causal_mask(additive_dtype=dtype).to(mask.device)
         out["position_ids"] = positions
