@@ -152,3 +152,39 @@ def gym_wheel_data() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
+
+
+def verl_venv_problem(venv: Path | None = None) -> str | None:
+    """Why ``.venv-verl`` (verl 0.9.1 + gymbridge: ``scripts/setup_verl_venv.sh``) is unusable, or ``None``.
+
+    ``VERL_VENV`` overrides the folder; the last failure the setup script recorded
+    (``.cache/verl-setup-failed``) is quoted, so a skipped verl test says why.
+    """
+    root = Path(__file__).resolve().parents[1]
+    venv = venv or Path(os.environ.get("VERL_VENV", root / ".venv-verl"))
+    stamp = venv / ".gymbridge-verl-stamp"
+    problem: str | None = None
+    if not (venv / "bin" / "python").exists():
+        problem = f"{venv} is absent: run `bash scripts/setup_verl_venv.sh` to build the verl 0.9.1 venv"
+    elif not (stamp.exists() and stamp.read_text().strip().endswith("verl==0.9.1")):
+        problem = f"{venv} is incomplete (no stamp for verl==0.9.1): rerun `bash scripts/setup_verl_venv.sh`"
+    note = root / ".cache" / "verl-setup-failed"
+    if problem and note.exists():
+        problem += f"; last setup failure: {note.read_text(errors='replace').strip()[-500:]}"
+    return problem
+
+
+@pytest.fixture(scope="session")
+def verl_python() -> Path:
+    """The ``.venv-verl`` interpreter, for tests that run scripts under verl's own pins.
+
+    Skips with the reason when the venv is unusable; under ``GYMBRIDGE_REQUIRE_VERL=1`` (CI) that is
+    a failure, as ``GYMBRIDGE_REQUIRE_GYM=1`` is for the gym suite.
+    """
+    problem = verl_venv_problem()
+    if problem is not None:
+        if os.environ.get("GYMBRIDGE_REQUIRE_VERL") == "1":
+            pytest.fail(f"GYMBRIDGE_REQUIRE_VERL=1 but the verl tests cannot run: {problem}", pytrace=False)
+        pytest.skip(f"verl tests skipped: {problem}")
+    root = Path(__file__).resolve().parents[1]
+    return Path(os.environ.get("VERL_VENV", root / ".venv-verl")) / "bin" / "python"
