@@ -10,8 +10,9 @@
 # Steps: pip install -r requirements-verl.txt (a full lock: verl 0.9.1, torch==2.13.0, transformers
 # 5.10.x and every dependency, --no-deps so nothing else is resolved), then gymbridge itself
 # (editable, --no-deps), then `pip check` and an import of everything the tests use. A stamp holds
-# sha256(requirements-verl.txt + pyproject.toml + setup.py); when it matches, nothing is done, and when
-# it does not, the venv is rebuilt from scratch.
+# sha256(requirements-verl.txt) and sha256(pyproject.toml + setup.py): when both match, nothing is
+# done; when only gymbridge's changed, gymbridge is reinstalled and checked again (seconds); when the
+# lock changed, the venv is rebuilt from scratch.
 #
 # On failure it exits non-zero with a "!! verl venv setup failed" line and records that line in
 # .cache/verl-setup-failed; the verl tests then skip quoting it (GYMBRIDGE_REQUIRE_VERL=1: fail).
@@ -39,7 +40,8 @@ fail() {  # one clear line, on stdout and in the note the verl tests' skip reaso
     exit 1
 }
 [ -f "$REQ" ] || fail "lock file $REQ not found"
-want="$(cat "$REQ" pyproject.toml setup.py | sha256sum | cut -d' ' -f1) verl==0.9.1"
+lock_sha=$(sha256sum "$REQ" | cut -d' ' -f1)
+want="$lock_sha $(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1) verl==0.9.1"
 if [ "${VERL_FORCE:-0}" != "1" ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
     echo "== verl venv up to date ($VENV)"
     exit 0
@@ -59,7 +61,34 @@ if [ "${VERL_FORCE:-0}" != "1" ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$STAM
     exit 0
 fi
 
+quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+check() {  # pip check, then import what the verl tests use (fail here rather than in pytest)
+    step="pip check (the lock does not satisfy verl's or gymbridge's requirements)"
+    echo "== pip check"
+    "${PIP[@]}" check
+    step="importing what the verl tests use"
+    (cd "$JOB_TMP" && "$VENV/bin/python" -c "
+import verl, transformers, torch
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorker, AgentLoopOutput
+import gymbridge.integrations.verl as v; v.GymAgentLoop
+from importlib.metadata import version
+assert version('verl') == '0.9.1', version('verl')
+")
+}
+
 t0=$(date +%s)
+trap 'rc=$?; rm -rf "$JOB_TMP"; if [ $rc -ne 0 ] && [ -z "$reported" ]; then fail "$step (exit $rc; output above)"; fi' EXIT
+if [ "${VERL_FORCE:-0}" != "1" ] && [ -x "$VENV/bin/python" ] && [ "$(cut -d' ' -f1 "$STAMP" 2>/dev/null)" = "$lock_sha" ]; then
+    step="reinstalling gymbridge (editable, --no-deps)"
+    echo "== the lock is unchanged: reinstalling gymbridge into $VENV"
+    "${PIP[@]}" install -q --no-deps -e "$ROOT" 2>&1 | quiet
+    check
+    echo "$want" > "$STAMP"
+    rm -f "$FAILED_NOTE"
+    echo "== verl venv ready in $(( $(date +%s) - t0 )) s"
+    exit 0
+fi
 echo "== building $VENV with $PY (verl==0.9.1)"
 command -v "$PY" >/dev/null || fail "interpreter $PY not found (install Python 3.11 or set VERL_PYTHON)"
 pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null) \
@@ -68,11 +97,8 @@ pyver=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null
 "$PY" -c 'import venv, ensurepip' 2>/dev/null \
     || fail "interpreter $PY lacks venv/ensurepip (e.g. apt-get install python3.11-venv)"
 step="creating the venv"
-trap 'rc=$?; rm -rf "$JOB_TMP"; if [ $rc -ne 0 ] && [ -z "$reported" ]; then fail "$step (exit $rc; output above)"; fi' EXIT
 rm -rf "$VENV"
 "$PY" -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-quiet() { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
 step="step 1: pip install -r $(basename "$REQ") (a broken or unreachable lock/index)"
 echo "== step 1: the lock ($(basename "$REQ"))"
@@ -83,17 +109,7 @@ fi
 step="step 2: gymbridge (editable, --no-deps)"
 echo "== step 2: gymbridge (editable, --no-deps)"
 "${PIP[@]}" install -q --no-deps -e "$ROOT" 2>&1 | quiet
-step="pip check (the lock does not satisfy verl's or gymbridge's requirements)"
-echo "== pip check"
-"${PIP[@]}" check
-step="importing what the verl tests use"
-(cd "$JOB_TMP" && "$VENV/bin/python" -c "
-import verl, transformers, torch
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorker, AgentLoopOutput
-import gymbridge.integrations.verl as v; v.GymAgentLoop
-from importlib.metadata import version
-assert version('verl') == '0.9.1', version('verl')
-")
+check
 echo "$want" > "$STAMP"
 rm -f "$FAILED_NOTE"
 echo "== verl venv ready in $(( $(date +%s) - t0 )) s ($(du -sh "$VENV" | cut -f1))"
