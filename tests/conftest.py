@@ -16,7 +16,9 @@ checks.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 settings.register_profile("gymbridge", deadline=None)
 settings.load_profile("gymbridge")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _unshadow_vllm() -> None:
+    """Keep ``tests/vllm`` from passing for an installed vLLM.
+
+    pytest puts ``tests/`` on ``sys.path`` (this conftest, prepend import mode), where the
+    ``tests/vllm`` folder is importable as a namespace package ``vllm``: TRL then believes vLLM is
+    installed and fails to import (``Version('N/A')``), and ``import vllm`` succeeds without vLLM.
+    Marking the name absent makes both see what is installed (nothing, in ``.venv``).
+    """
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return
+    here = Path(__file__).resolve().parent / "vllm"
+    locations = spec.submodule_search_locations if spec is not None and spec.loader is None else None
+    if locations is not None and all(Path(location).resolve() == here for location in locations):
+        sys.modules["vllm"] = None
+
+
+_unshadow_vllm()
 if XDIST_WORKER:  # read by torch at import and inherited by the processes tests start
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 

@@ -8,6 +8,7 @@ or drop pixels; ``test_trl_train.py`` runs TRL's real ``GRPOTrainer``.
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 from typing import Any
 
@@ -365,3 +366,14 @@ def test_rollout_func_refuses_a_prompt_trl_did_not_render(processor: Any) -> Non
     with pytest.raises(UntrainableRolloutError) as info:
         _rollout(processor, answer, prompts)
     assert info.value.reason == "prompt_mismatch" and "Answer tersely" in str(info.value)
+
+
+def test_regression_the_tests_vllm_folder_does_not_pass_for_vllm() -> None:
+    """tests/vllm on sys.path made TRL see a vLLM of version 'N/A' and fail to import its trainer."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm") if sys.modules.get("vllm", ...) is not None else None
+    assert spec is None or spec.loader is not None  # absent, or a real installation
+    from trl import GRPOTrainer
+
+    assert GRPOTrainer.__name__ == "GRPOTrainer"
