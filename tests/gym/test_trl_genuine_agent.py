@@ -35,10 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integrations"))
 
 
 @pytest.fixture(scope="module")
-def tiny() -> Any:
-    from _trl_support import tiny_for_trl
+def tiny() -> Iterator[Any]:
+    from _trl_support import one_torch_thread, tiny_for_trl
 
-    return tiny_for_trl()
+    with one_torch_thread():  # the model server's generations included
+        yield tiny_for_trl()
 
 
 @pytest.fixture(scope="module")

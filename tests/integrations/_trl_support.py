@@ -12,8 +12,9 @@ images they carried.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,17 @@ def spying_trainer(spy: ForwardSpy, **kwargs: Any) -> Any:
             return super()._get_per_token_logps_and_entropies(model, *args, **forward)
 
     return SpyingGRPOTrainer(**kwargs)
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Train on one torch thread: on a loaded machine two spinning threads ran these tests 10x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def vision_params(model: Any) -> dict[str, torch.Tensor]:

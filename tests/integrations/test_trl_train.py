@@ -11,6 +11,7 @@ image into the training forward (as many images as look calls) and move the visi
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from _trl_support import (
     changed,
     encode,
     encode_after_tool,
+    one_torch_thread,
     spying_trainer,
     tiny_for_trl,
     vision_params,
@@ -48,6 +50,12 @@ def _tool_images(completions: list[list[dict[str, Any]]]) -> int:
         for block in message["content"]
         if block.get("type") == "image"
     )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with one_torch_thread():
+        yield
 
 
 def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Path) -> None:
