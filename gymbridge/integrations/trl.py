@@ -12,7 +12,7 @@ Two paths, one per way TRL lets a rollout be owned (docs/integrations.md):
   re-implementation). Before training, :func:`check_tool_image_template` renders an image in a
   ``tool`` message with the processor's template and raises
   :class:`~gymbridge.errors.ChatTemplateMediaError` when the placeholders are missing (TRL would
-  drop ``pixel_values`` for the whole batch without a word).
+  fail mid-run, or drop ``pixel_values`` for the whole batch without a word).
 * **An agent owns the loop** — :func:`gym_rollout_func` is a ``rollout_func`` that posts every
   prompt TRL hands it to the agent's ``POST /run`` (any NeMo Gym agent, genuine ones included).
   TRL 1.16 repeats each dataset prompt ``num_generations`` times *before* calling it, so it runs
