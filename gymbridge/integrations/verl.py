@@ -325,7 +325,8 @@ def _agent_loop_class() -> type:
         Agent-loop config keys (``actor_rollout_ref.rollout.agent.agent_loop_config_path``):
         ``resources_server_url`` (required), ``max_turns`` (default 8), ``timeout_s`` (each
         environment call, default 60), ``tool_media`` (``"message"``: a tool's media follow its
-        output in a user message, as gymbridge's agent does; ``"output"``: inside the output).
+        output in a user message, as gymbridge's agent does; ``"output"``: inside the output),
+        ``media_policy`` (a :class:`~gymbridge.media.MediaPolicy`'s fields).
         """
 
         def __init__(
@@ -335,7 +336,7 @@ def _agent_loop_class() -> type:
             max_turns: int = 8,
             timeout_s: float = 60.0,
             tool_media: str = "message",
-            media_policy: MediaPolicy | None = None,
+            media_policy: MediaPolicy | Mapping[str, Any] | None = None,
             **kwargs: Any,
         ) -> None:
             # before verl's own constructor, whose error for a missing processor does not say why
@@ -350,6 +351,10 @@ def _agent_loop_class() -> type:
             self.max_turns = int(max_turns)
             self.timeout_s = float(timeout_s)
             self.tool_media = tool_media
+            if isinstance(media_policy, Mapping):  # from the YAML config
+                from gymbridge.media import MediaPolicy
+
+                media_policy = MediaPolicy.model_validate(dict(media_policy))
             self.media_policy = media_policy
             self.hf_model_type = kwargs.get("hf_model_type")
             template = self.config.actor_rollout_ref.model.get("custom_chat_template", None)
