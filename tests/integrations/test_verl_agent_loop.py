@@ -64,3 +64,10 @@ def test_verl_loop_refuses_a_processor_verl_could_not_bind_mrope_to(verl_python:
     r = _run(verl_python, "unbound")
     assert r["error_type"] == "IntegrationError", r
     assert "no processor" in r["error"] and "1-D positions" in r["error"]
+
+
+def test_a_failed_environment_is_recorded_in_the_batch_and_trains_nothing(verl_python: Path) -> None:
+    r = _run(verl_python, "env_down")
+    assert r["batch_size"] == 1 and r["calls"] == []  # no model call without a session
+    assert r["gym_failure"] and "EnvTransportError" in r["gym_failure"]
+    assert r["masked"] == 0 and r["rm_sum"] == 0.0

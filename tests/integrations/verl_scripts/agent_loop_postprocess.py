@@ -6,8 +6,9 @@ server manager (verl's ``server_manager.generate`` signature, verl's ``TokenOutp
 ``AgentLoopWorker._agent_loop_postprocess`` and ``_postprocess`` into a ``DataProto``; the processor
 is bound by verl's own ``hf_processor`` (its class named ``Qwen2VLProcessor``, as the stock one is:
 the stock video processor needs torchvision). Prints one JSON object of measurements for the
-pytest side (``tests/integrations/test_verl_agent_loop.py``) to check; ``--case unbound`` instead
-gives the loop a processor verl could not bind M-RoPE to and prints the error it raised.
+pytest side (``tests/integrations/test_verl_agent_loop.py``) to check. ``--case unbound`` gives
+the loop a processor verl could not bind M-RoPE to and prints the error it raised; ``--case
+env_down`` points it at a closed port and prints what the recorded failure became in the batch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -93,18 +95,23 @@ async def run(case: str) -> dict[str, Any]:
     prompt_length, response_length = 512, 256
     config = _config(prompt_length, response_length)
     processor = _processor(
-        tokenizer, tiny.model.config, "Qwen2VLProcessor" if case == "ok" else "TinyVLProcessor"
+        tokenizer, tiny.model.config, "TinyVLProcessor" if case == "unbound" else "Qwen2VLProcessor"
     )
     row = make_row(0, 0, colors="red,green", reveal="tool")
     record = verl_rows([row])[0]
     server = ColorPickServer(max_looks=4)
     manager = ScriptedServerManager(tokenizer, [LOOK_CALL, LOOK_CALL, row["color"]])
     with ServerThread(server) as env:
+        url = env.url
+        if case == "env_down":  # a port nothing listens on
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                url = f"http://127.0.0.1:{probe.getsockname()[1]}"
         try:
             loop = GymAgentLoop(
                 trainer_config=DictConfigWrap(config), server_manager=manager, tokenizer=tokenizer,
                 processor=processor, dataset_cls=RLHFDataset, data_config=DictConfigWrap(config.data),
-                hf_model_type="qwen2_vl", resources_server_url=env.url, max_turns=4,
+                hf_model_type="qwen2_vl", resources_server_url=url, max_turns=4, timeout_s=10,
             )  # fmt: skip
         except Exception as exc:  # the unbound case: report the typed error
             return {"error_type": type(exc).__name__, "error": str(exc), "processor": repr(processor)}
@@ -121,6 +128,14 @@ async def run(case: str) -> dict[str, Any]:
     internal = await worker._agent_loop_postprocess(output, False, raw_prompt=record["prompt"])
     batch = worker._postprocess([internal], input_non_tensor_batch=None)
 
+    if case == "env_down":
+        return {
+            "gym_failure": output.extra_fields.get("gym_failure"),
+            "masked": int(batch.batch["response_mask"].sum()),
+            "rm_sum": float(batch.batch["rm_scores"].sum()),
+            "calls": manager.calls,
+            "batch_size": len(batch),
+        }
     input_ids = batch.batch["input_ids"]
     attention_mask = batch.batch["attention_mask"]
     position_ids = batch.batch["position_ids"]
@@ -170,7 +185,7 @@ async def run(case: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=["ok", "unbound"], default="ok")
+    parser.add_argument("--case", choices=["ok", "unbound", "env_down"], default="ok")
     args = parser.parse_args()
     print("RESULT " + json.dumps(asyncio.run(run(args.case))))
     sys.stdout.flush()
