@@ -5,6 +5,7 @@
 * :func:`flatten` turns a :class:`~gymbridge.trajectory.Trajectory` into the one-sequence shape both
   TRL (``prompt_ids`` / ``completion_ids`` / ``env_mask``) and verl (``prompt_ids`` /
   ``response_ids`` / ``response_mask``) train on;
+* :func:`masked_reason` says whether a result is ``mask_sample`` (never trained by either);
 * :class:`ServerThread` serves a gymbridge server (an environment) on loopback from a daemon thread
   with its own event loop, for callers that hold no loop (TRL's environment factory).
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import threading
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from gymbridge.server import GymServer, RunningServer
     from gymbridge.trajectory import Trajectory
 
-__all__ = ["FlatRollout", "ServerThread", "flatten", "require", "run_sync"]
+__all__ = ["FlatRollout", "ServerThread", "flatten", "masked_reason", "require", "run_sync"]
 
 T = TypeVar("T")
 
@@ -96,6 +97,19 @@ def flatten(trajectory: Trajectory, *, row: int | None = None) -> FlatRollout:
         reward=trajectory.reward,
         num_model_calls=len(turns),
     )
+
+
+def masked_reason(answer: Any) -> str | None:
+    """Why a ``/run`` result or ``/verify`` answer is no measurement (``mask_sample: true``), or None.
+
+    NeMo Gym 0.7.0's consumers leave such a sample out of scores and training: an environment fault
+    mid-episode (:mod:`gymbridge.faults`) or the environment's own verdict (``judge_failed``).
+    """
+    if not isinstance(answer, Mapping) or answer.get("mask_sample") is not True:
+        return None
+    kind = answer.get("failure_kind")
+    reason = answer.get("failure_reason")
+    return f"{kind or 'mask_sample'}: {reason or 'the environment marked the sample mask_sample'}"
 
 
 def run_sync(coro: Coroutine[Any, Any, T]) -> T:

@@ -32,7 +32,11 @@ Invariants: an environment session lives exactly from one ``reset`` to the next;
 a row offers are posted (any other name answers stock Gym's ``{"detail": "Not Found"}``), never a
 protocol route; a failed environment call is recorded in ``failures`` and scores ``None`` (TRL
 then gives the rollout no advantage), and a batch where every rollout failed raises; a refusal is
-raised, never turned into a silent text-only rollout.
+raised, never turned into a silent text-only rollout. A tool's answer follows
+:mod:`gymbridge.faults`: a 4xx or a 500 is the tool's own answer, shown to the model; a fault
+(502 / 503 / 504 / 408 / 429, a broken connection, a timeout) fails the session. A result or
+``/verify`` answer with ``mask_sample: true`` (its reward is not a measurement) is never trained:
+recorded in ``failures``, scored ``None``, ``env_mask`` 0.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ import orjson
 from gymbridge.errors import (
     ChatTemplateMediaError,
     EnvError,
+    EnvFaultError,
     EnvServerError,
     EnvTimeoutError,
     EnvTransportError,
@@ -63,7 +68,14 @@ from gymbridge.errors import (
     TrajectoryError,
     UntrainableRolloutError,
 )
-from gymbridge.integrations._common import FlatRollout, ServerThread, flatten, require, run_sync
+from gymbridge.integrations._common import (
+    FlatRollout,
+    ServerThread,
+    flatten,
+    masked_reason,
+    require,
+    run_sync,
+)
 
 if TYPE_CHECKING:
     from gymbridge.media import MediaPolicy
@@ -455,18 +467,36 @@ class _GymEnvironmentBase:
         self._failure = _Failure(type(exc).__name__, f"{what}: {exc}", self._row)
         logger.warning("gym environment %s: %s failed: %s", self._owner.url, what, exc)
 
-    def _post(self, path: str, payload: Any) -> httpx.Response:
+    def _post(self, path: str, payload: Any, *, tool: str | None = None) -> httpx.Response:
+        """POST ``payload``; a tool's 4xx and 500 are its answer, its faults raise ``EnvFaultError``."""
+        from gymbridge.faults import env_fault, status_fault_kind
+
         if self._client is None:
             raise RuntimeError("reset() was not called")
         try:
-            reply = self._client.post(
-                path, content=json.dumps(payload), headers={"content-type": "application/json"}
-            )
-        except httpx.TimeoutException as exc:
-            raise EnvTimeoutError(f"POST {path} timed out", server=self._owner.url) from exc
-        except httpx.HTTPError as exc:
-            raise EnvTransportError(f"POST {path} failed: {exc}", server=self._owner.url) from exc
-        if reply.status_code >= 500 or (path in ("/seed_session", "/verify") and reply.status_code >= 400):
+            try:
+                reply = self._client.post(
+                    path, content=json.dumps(payload), headers={"content-type": "application/json"}
+                )
+            except httpx.TimeoutException as exc:
+                raise EnvTimeoutError(f"POST {path} timed out", server=self._owner.url) from exc
+            except httpx.HTTPError as exc:
+                raise EnvTransportError(
+                    f"POST {path} failed: {exc}",
+                    server=self._owner.url,
+                    reached=not isinstance(exc, httpx.ConnectError),
+                ) from exc
+        except EnvError as exc:
+            if tool is None:
+                raise
+            raise env_fault(path, tool=tool, error=exc, server=self._owner.url) from exc
+        if tool is not None:
+            if status_fault_kind(reply.status_code) is not None:
+                raise env_fault(
+                    path, tool=tool, status=reply.status_code, body=reply.text, server=self._owner.url
+                )
+            return reply
+        if reply.status_code >= 400:
             raise EnvServerError(
                 f"POST {path} answered HTTP {reply.status_code}: {reply.text[:300]}",
                 status=reply.status_code,
@@ -493,8 +523,8 @@ class _GymEnvironmentBase:
             self._calls.append(_ToolCall(name, arguments, items))
             return items[0]["output"]
         try:
-            reply = self._post(f"/{name}", arguments)
-        except EnvError as exc:
+            reply = self._post(f"/{name}", arguments, tool=name)
+        except EnvFaultError as exc:
             self._fail(f"tool {name}", exc)
             raise
         items = tool_output_items(call_id, reply.content, reply.headers.get(PARTS_HEADER), "message")
@@ -535,14 +565,18 @@ class _GymEnvironmentBase:
             raise self._refusal
         if self._failure is None:
             try:
-                return self._verify_reward(completion)
+                reward = self._verify_reward(completion)
             except (EnvError, ProtocolError) as exc:
                 self._fail("verify", exc)
+            else:
+                if reward is not None:
+                    return reward
         assert self._failure is not None
         self._owner.failures.append(self._failure.record())
         return None
 
-    def _verify_reward(self, completion: Sequence[Mapping[str, Any]]) -> float:
+    def _verify_reward(self, completion: Sequence[Mapping[str, Any]]) -> float | None:
+        """``/verify``'s reward; ``None`` (the failure set) when it masked the sample."""
         from gymbridge import protocol as p
 
         rcp = self._row.get("responses_create_params")
@@ -559,6 +593,11 @@ class _GymEnvironmentBase:
         reward = body.get("reward") if isinstance(body, dict) else None
         if isinstance(reward, bool) or not isinstance(reward, int | float):
             raise ProtocolError(f"/verify answered without a numeric reward: {str(body)[:200]}")
+        masked = masked_reason(body)
+        if masked is not None:
+            self._failure = _Failure("mask_sample", f"verify: {masked}", self._row)
+            logger.warning("gym environment %s: /verify masked the sample: %s", self._owner.url, masked)
+            return None
         return float(reward)
 
 
@@ -818,12 +857,14 @@ class GymRolloutFunc:
         self.rollouts = []
         for i, (prompt, outcome) in enumerate(zip(prompts, outcomes, strict=True)):
             rendered = _trl_prompt_ids(prompt, trainer) if _has_images(prompt) else None
-            if outcome.result is None:
-                record = {"kind": outcome.kind, "reason": outcome.reason, "row": rows[i]}
+            masked = masked_reason(outcome.result)
+            if outcome.result is None or masked is not None:
+                kind, reason = (outcome.kind, outcome.reason) if masked is None else ("mask_sample", masked)
+                record = {"kind": kind, "reason": reason, "row": rows[i]}
                 self.failures.append(record)
-                logger.warning("rollout %d failed (%s): %s", i, outcome.kind, outcome.reason)
+                logger.warning("rollout %d failed (%s): %s", i, kind, reason)
                 prompt_ids = rendered if rendered is not None else _text_prompt_ids(prompt, trainer)
-                values: list[Any] = [prompt_ids, [eos], [0.0], [0], None, f"{outcome.kind}: {outcome.reason}"]
+                values: list[Any] = [prompt_ids, [eos], [0.0], [0], None, f"{kind}: {reason}"]
                 self.rollouts.append(None)
             else:
                 flat = _trainable(outcome.result, i, rendered, processing_class)

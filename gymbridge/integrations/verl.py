@@ -25,8 +25,10 @@ Checks, each a typed error instead of a silently text-only or misaligned sample:
   ``get_rope_index``, raises :class:`~gymbridge.errors.IntegrationError` (verl would train it
   text-only, with 1-D positions).
 
-An environment failure (HTTP error, timeout, lost session) is recorded, not raised: the sample
-gets ``reward_score`` 0, an all-zero ``response_mask`` and ``extra_fields["gym_failure"]``.
+An environment failure (HTTP error, timeout, lost session, a fault mid-episode) is recorded, not
+raised: the sample gets ``reward_score`` 0, an all-zero ``response_mask`` and
+``extra_fields["gym_failure"]``; so does a result the environment marked ``mask_sample`` (its
+reward is no measurement).
 :func:`agent_loop_fields` (no verl import) is the result -> output conversion the class uses.
 """
 
@@ -40,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from gymbridge.errors import GymbridgeError, IntegrationError, TrajectoryError, UntrainableRolloutError
-from gymbridge.integrations._common import flatten, require
+from gymbridge.integrations._common import flatten, masked_reason, require
 
 if TYPE_CHECKING:
     from gymbridge.generation.chat import ChatCodec
@@ -159,7 +161,9 @@ def agent_loop_fields(
     ``placeholder_token_ids`` maps a modality to its placeholder id (the processor's
     ``image_token_id`` ...); ``prompt_length`` / ``response_length`` are the rollout config's.
     ``multi_modal_data`` values are decoded (PIL images, ``[T, H, W, 3]`` uint8 frames,
-    ``(waveform, rate)`` clips). ``metrics`` is left to the caller.
+    ``(waveform, rate)`` clips). ``metrics`` is left to the caller. A ``mask_sample`` result keeps
+    its tokens with an all-zero ``response_mask``, ``reward_score`` 0 and its reason in
+    ``extra_fields["gym_failure"]``.
     """
     from gymbridge.trajectory import from_gym_result
 
@@ -179,6 +183,9 @@ def agent_loop_fields(
             reason="prompt_too_long",
         )
     response_ids, mask, logprobs = flat.response_ids, flat.response_mask, flat.response_logprobs
+    masked = masked_reason(result)
+    if masked is not None:
+        mask = [0] * len(mask)
     media = list(flat.media)
     if len(response_ids) > response_length:
         cut = response_length
@@ -224,9 +231,9 @@ def agent_loop_fields(
         "response_mask": mask,
         "response_logprobs": logprobs if has_logprobs else None,
         "multi_modal_data": multi_modal_data,
-        "reward_score": flat.reward,
+        "reward_score": 0.0 if masked is not None else flat.reward,
         "num_turns": 1 + flat.num_model_calls + env_answers,
-        "extra_fields": {"gym_reward_components": dict(trajectory.reward_components), "gym_failure": None},
+        "extra_fields": {"gym_reward_components": dict(trajectory.reward_components), "gym_failure": masked},
     }
 
 
@@ -394,6 +401,10 @@ def _agent_loop_class() -> type:
             except GymbridgeError as exc:
                 logger.warning("gym rollout failed: %s: %s", type(exc).__name__, exc)
                 return self._failed(f"{type(exc).__name__}: {exc}")
+            masked = masked_reason(result)
+            if masked is not None:
+                logger.warning("gym rollout masked by the environment: %s", masked)
+                return self._failed(masked)
             fields = agent_loop_fields(
                 result,
                 placeholder_token_ids=self.placeholder_token_ids,

@@ -7,8 +7,12 @@ or drop pixels; ``test_trl_train.py`` runs TRL's real ``GRPOTrainer``.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import sys
+import threading
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +24,8 @@ pytest.importorskip("trl", reason="the TRL adapter tests need the trl extra (pip
 
 from transformers.utils import get_json_schema
 
-from gymbridge.errors import ChatTemplateMediaError, IntegrationError, UntrainableRolloutError
+from gymbridge.errors import ChatTemplateMediaError, EnvFaultError, IntegrationError, UntrainableRolloutError
+from gymbridge.integrations._common import ServerThread
 from gymbridge.integrations.trl import (
     GYM_ROW_KEY,
     check_tool_image_template,
@@ -30,7 +35,8 @@ from gymbridge.integrations.trl import (
     tool_method,
     trl_rows,
 )
-from gymbridge.server import audio_part
+from gymbridge.server import VerifyResult, audio_part
+from gymbridge.testing.fault_proxy import Fault, FaultProxy
 from gymbridge.testing.tiny_vlm import build_tiny_tokenizer, tiny_hf_processor
 from gymbridge_envs.color_pick.data import COLORS, make_row
 from gymbridge_envs.color_pick.server import ColorPickServer
@@ -202,6 +208,79 @@ def test_environment_records_a_failed_session_and_scores_it_none(processor: Any)
             env.reward_func([completion], environments=[bad])
 
 
+@contextlib.contextmanager
+def _fault_proxy(upstream: str, faults: dict[str, Fault]) -> Iterator[FaultProxy]:
+    """A FaultProxy on a loop of its own (the TRL environment's calls are synchronous)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = FaultProxy(upstream, faults)
+    asyncio.run_coroutine_threadsafe(proxy.__aenter__(), loop).result(30)
+    try:
+        yield proxy
+    finally:
+        asyncio.run_coroutine_threadsafe(proxy.__aexit__(None, None, None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_environment_fault_fails_the_session_but_a_tools_500_is_its_answer(processor: Any) -> None:
+    """gymbridge.faults: a 502 mid-episode is never trained; a 500 is the tool's own answer, shown."""
+    row = make_row(0, 0, colors="red,green", reveal="tool")
+    (trl_row,) = trl_rows([row])
+    completion = [{"role": "assistant", "content": row["color"]}]
+    with ServerThread(ColorPickServer()) as upstream:
+        faults = {"/look": Fault(502, times=1)}
+        with (
+            _fault_proxy(upstream.url, faults) as proxy,
+            gym_environment(
+                proxy.url, processing_class=processor, tools=ColorPickServer.function_tools()
+            ) as env,
+        ):
+            faulted, fine = env(), env()
+            faulted.reset(**trl_row)
+            with pytest.raises(EnvFaultError, match="HTTP 502"):
+                faulted.look()  # TRL shows the model the error; the session is over
+            fine.reset(**trl_row)
+            fine.look()  # forwarded: the fault was injected once
+            assert env.reward_func([completion, completion], environments=[faulted, fine]) == [None, 1.0]
+            assert len(env.failures) == 1 and "tool look" in env.failures[0]["reason"]
+            assert env.failures[0]["kind"] == "EnvFaultError"
+        with (
+            _fault_proxy(upstream.url, {"/look": Fault(500, times=1)}) as proxy,
+            gym_environment(
+                proxy.url, processing_class=processor, tools=ColorPickServer.function_tools()
+            ) as env,
+        ):
+            session = env()
+            session.reset(**trl_row)
+            assert isinstance(session.look(), str)  # the 500's body, for the model to read
+            assert env.reward_func([completion], environments=[session]) == [1.0]
+            assert env.failures == []
+
+
+class _MaskingColorPick(ColorPickServer):
+    async def verify(self, session: Any, row: dict[str, Any], response: dict[str, Any]) -> VerifyResult:
+        return VerifyResult(
+            reward=0.0, mask_sample=True, failure_kind="judge_failed", failure_reason="no judge"
+        )
+
+
+def test_environment_scores_a_masked_verify_none_and_records_it(processor: Any) -> None:
+    row = make_row(0, 0, colors="red,green", reveal="tool")
+    (trl_row,) = trl_rows([row])
+    with gym_environment(_MaskingColorPick, processing_class=processor) as env:
+        session = env()
+        session.reset(**trl_row)
+        completion = [{"role": "assistant", "content": row["color"]}]
+        with pytest.raises(Exception, match="every rollout of the batch failed"):
+            env.reward_func([completion], environments=[session])
+        assert (
+            env.failures[0]["kind"] == "mask_sample" and "judge_failed: no judge" in env.failures[0]["reason"]
+        )
+
+
 # ----------------------------------------------------------------------------- rollout_func
 
 
@@ -281,7 +360,11 @@ def test_regression_rollout_func_runs_each_repeated_prompt_once(processor: Any) 
     assert gym_reward(out["completion_ids"], gym_reward=out["gym_reward"]) == [1.0] * 6
 
 
-def test_rollout_func_records_a_failed_rollout_without_training_it(processor: Any) -> None:
+@pytest.mark.parametrize("first", ["refused", "masked"])
+def test_rollout_func_records_a_failed_or_masked_rollout_without_training_it(
+    processor: Any, first: str
+) -> None:
+    """A /run the agent refused (422), or a result marked mask_sample (its reward is no measurement)."""
     from gymbridge.integrations.trl import _trl_prompt_ids
 
     rows = [make_row(0, 0, colors="red,blue", reveal="prompt")]
@@ -291,14 +374,21 @@ def test_rollout_func_records_a_failed_rollout_without_training_it(processor: An
 
     def answer(row: dict[str, Any]) -> Any:
         seen.append(1)
-        if len(seen) == 1:
+        output = [_message(rendered, _tokens(processor, "red<|im_end|>"))]
+        if len(seen) == 1 and first == "refused":
             return httpx.Response(422, text="bad row")
-        return [_message(rendered, _tokens(processor, "red<|im_end|>"))]
+        if len(seen) == 1:
+            masked = {"mask_sample": True, "failure_kind": "judge_failed", "failure_reason": "no judge"}
+            return httpx.Response(200, json={**row, "response": {"output": output}, "reward": 0.0, **masked})
+        return output
 
     out, _, func = _rollout(processor, answer, prompts)
-    failed = out["gym_reward"].index(None)
+    failed = out["gym_reward"].index(None)  # whichever /run the agent answered first
+    assert out["gym_reward"][1 - failed] == 1.0
     assert out["env_mask"][failed] == [0] and out["prompt_ids"][failed] == rendered
-    assert len(func.failures) == 1 and func.failures[0]["kind"] == "data"
+    assert [f["kind"] for f in func.failures] == ["data" if first == "refused" else "mask_sample"]
+    if first == "masked":
+        assert out["gym_failure"][failed] == "mask_sample: judge_failed: no judge"
 
 
 def _image_run(processor: Any, n: int = 4) -> list[int]:

@@ -80,6 +80,18 @@ def test_fields_carry_every_image_in_order_the_mask_and_the_reward() -> None:
     ] == [0.0] * (len(fields["response_mask"]) - sum(fields["response_mask"]))
 
 
+def test_a_masked_result_keeps_its_tokens_but_trains_nothing() -> None:
+    result, _, whole = _two_image_result()
+    masked = {**result, "reward": 0.0, "mask_sample": True, "failure_kind": "transport_unreachable",
+              "failure_reason": "environment fault: tool 'look' answered HTTP 502: Bad Gateway"}  # fmt: skip
+    fields = agent_loop_fields(
+        masked, placeholder_token_ids={"image": PAD}, prompt_length=64, response_length=256
+    )
+    assert fields["prompt_ids"] + fields["response_ids"] == whole
+    assert set(fields["response_mask"]) == {0} and fields["reward_score"] == 0.0
+    assert fields["extra_fields"]["gym_failure"].startswith("transport_unreachable: environment fault")
+
+
 def test_a_long_response_is_cut_before_a_placeholder_run_and_its_image_dropped() -> None:
     result, p0, whole = _two_image_result()
     response = whole[len(p0) :]
