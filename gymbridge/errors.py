@@ -45,6 +45,13 @@ exceptions (``TypeError``, ``ValueError``).
     │   │                      truncated, corrupt (sha256 mismatch) or of another
     │   │                      format; ``path`` and ``reason`` say which and why
     │   └── ReplayCheckpointError  a replay checkpoint cannot be used
+    ├── IntegrationError       another trainer (TRL, verl) cannot carry what it was given
+    │   ├── ChatTemplateMediaError  the processor's chat template drops the images of
+    │   │                      tool messages (the trainer would train without their pixels)
+    │   └── UntrainableRolloutError  a rollout the trainer cannot train correctly
+    │                          (``reason``: mid_episode_media, noncontiguous,
+    │                          prompt_mismatch, placeholder_mismatch, unsupported_media,
+    │                          prompt_too_long)
     ├── TrainingError          the training loop cannot go on
     │   ├── PolicyDriftError   on-policy, but the generator's logprobs are not
     │   │                      the trainer's (``ratio_mean``, ``tolerance``)
@@ -68,6 +75,7 @@ from typing import Any
 __all__ = [
     "BridgeError",
     "BridgeStalledError",
+    "ChatTemplateMediaError",
     "CheckEnvError",
     "CheckpointError",
     "ConfigError",
@@ -79,6 +87,7 @@ __all__ = [
     "EnvTransportError",
     "GeneratorProcessError",
     "GymbridgeError",
+    "IntegrationError",
     "JsonTooDeepError",
     "MediaDecodeError",
     "MediaError",
@@ -92,6 +101,7 @@ __all__ = [
     "ServeError",
     "TrainingError",
     "TrajectoryError",
+    "UntrainableRolloutError",
     "WeightSyncError",
 ]
 
@@ -300,6 +310,57 @@ class CheckpointError(GymbridgeError):
 
 class ReplayCheckpointError(CheckpointError, BridgeError):
     """A replay checkpoint cannot be read (missing, truncated, corrupt, or of another format version)."""
+
+
+class IntegrationError(GymbridgeError):
+    """Another trainer (TRL, verl) cannot carry what gymbridge was given (``gymbridge.integrations``)."""
+
+
+class ChatTemplateMediaError(IntegrationError):
+    """The processor's chat template renders no image placeholders inside ``tool`` messages.
+
+    TRL would then find image features without image tokens and drop ``pixel_values`` for the
+    whole batch without a warning; gymbridge refuses before training instead. ``expected`` and
+    ``found`` are the placeholder tokens one tool image should and did produce.
+    """
+
+    def __init__(self, message: str, *, expected: int, found: int) -> None:
+        super().__init__(message)
+        self.expected = expected
+        self.found = found
+
+
+class UntrainableRolloutError(IntegrationError):
+    """A rollout the target trainer cannot train correctly, refused instead of crashing it or losing media.
+
+    ``reason`` is one of ``"mid_episode_media"`` (media after the first model call, which the
+    trainer's forward would not carry), ``"noncontiguous"`` (the token history does not only
+    append: not one sequence), ``"prompt_mismatch"`` (the first prompt is not the trainer's own
+    render of the dataset prompt, which its pixels come from), ``"placeholder_mismatch"`` (media
+    and placeholder tokens disagree), ``"unsupported_media"`` (a modality the trainer's path
+    cannot carry) or ``"prompt_too_long"`` (the first prompt does not fit the trainer's prompt
+    length, and cutting it would cut media placeholders); ``row`` is the rollout's index in the
+    batch (``None`` when not tied to one).
+    """
+
+    REASONS = frozenset(
+        {
+            "mid_episode_media",
+            "noncontiguous",
+            "prompt_mismatch",
+            "placeholder_mismatch",
+            "unsupported_media",
+            "prompt_too_long",
+        }
+    )
+
+    def __init__(self, message: str, *, reason: str, row: int | None = None) -> None:
+        if reason not in self.REASONS:
+            raise ValueError(f"unknown reason {reason!r}; one of {sorted(self.REASONS)}")
+        where = f"rollout {row}: " if row is not None else ""
+        super().__init__(f"{where}{message}")
+        self.reason = reason
+        self.row = row
 
 
 class TrainingError(GymbridgeError):

@@ -3,8 +3,10 @@
 #   bash scripts/test.sh            # lint + types + default tests
 #   bash scripts/test.sh -k media   # extra args go to pytest
 # Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed. The genuine
-# nemo-gym venv (.venv-gym) and the real vLLM venv (.venv-vllm, scripts/setup_vllm_venv.sh) are built
-# in the background meanwhile (their logs are printed before pytest; GYMBRIDGE_SKIP_VLLM=1 skips it).
+# nemo-gym venv (.venv-gym), the real vLLM venv (.venv-vllm, scripts/setup_vllm_venv.sh) and the verl
+# venv (.venv-verl, scripts/setup_verl_venv.sh: verl 0.9.1 pins transformers<5.11) are built in the
+# background meanwhile (their logs are printed before their tests; GYMBRIDGE_SKIP_VLLM=1 /
+# GYMBRIDGE_SKIP_VERL=1 skip them).
 # The plain command runs the default tests on GYMBRIDGE_TEST_WORKERS pytest-xdist workers (default:
 # the CPU count, at most 4; 1 = serial), one test file per worker; with arguments, pytest runs
 # exactly them (add `-n 2` for parallel). The learning tests (-m learning) come last, on 2 workers.
@@ -36,15 +38,24 @@ if [ -x scripts/setup_vllm_venv.sh ] && [ "${GYMBRIDGE_SKIP_VLLM:-0}" != "1" ]; 
     bash scripts/setup_vllm_venv.sh >"$VLLM_LOG" 2>&1 &
     vllm_pid=$!
 fi
+# verl venv for the verl agent-loop tests (tests/integrations/test_verl_agent_loop.py), same way.
+verl_pid=""
+VERL_LOG="$ROOT/.cache/verl-setup.log"
+if [ -x scripts/setup_verl_venv.sh ] && [ "${GYMBRIDGE_SKIP_VERL:-0}" != "1" ]; then
+    mkdir -p "$ROOT/.cache"
+    bash scripts/setup_verl_venv.sh >"$VERL_LOG" 2>&1 &
+    verl_pid=$!
+fi
+VERL_TESTS=tests/integrations/test_verl_agent_loop.py
 # an early exit (a failed install, lint) waits for them rather than leaving them building alone
-trap 'for p in $gym_pid $vllm_pid; do wait "$p" 2>/dev/null || true; done' EXIT
+trap 'for p in $gym_pid $vllm_pid $verl_pid; do wait "$p" 2>/dev/null || true; done' EXIT
 
 if [ ! -x "$VENV/bin/python" ]; then
     echo "== creating $VENV"
     "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "== installing gymbridge[dev,ray,train]"
+    echo "== installing gymbridge[dev,ray,train,trl]"
     t0=$(date +%s)
     # torch: an installed torch of any build (CPU, CUDA, ROCm) is kept; a GPU machine lets pip pick
     # a CUDA build in the project's range; elsewhere the CPU wheel is pinned (an unpinned torch
@@ -63,12 +74,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     log="$VENV/.gymbridge-install.log"
     set +e
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray,train]" $torch_pin >"$log" 2>&1
+    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray,train,trl]" $torch_pin >"$log" 2>&1
     rc=$?
     set -e
     grep -v "is ignored: it is neither a file nor a directory" "$log" || true
     if [ $rc -ne 0 ]; then echo "!! pip install failed (exit $rc); nothing was stamped"; exit $rc; fi
-    "$VENV/bin/python" -c "import gymbridge, gymbridge_envs, torch, transformers" # fail here, not in pytest
+    "$VENV/bin/python" -c "import gymbridge, gymbridge_envs, torch, transformers, trl" # fail here, not in pytest
     echo "$want" > "$STAMP"
     echo "== installed in $(( $(date +%s) - t0 )) s"
 fi
@@ -106,14 +117,23 @@ wait_vllm() {  # the vLLM venv's build goes on while the default and learning te
         vllm_pid=""
     fi
 }
+wait_verl() {  # likewise the verl venv's build, for the verl tests that run after them
+    if [ -n "$verl_pid" ]; then
+        verl_rc=0
+        wait "$verl_pid" || verl_rc=$?
+        cat "$VERL_LOG"
+        [ $verl_rc -eq 0 ] || echo "!! verl venv setup failed: the verl tests will be skipped"
+        verl_pid=""
+    fi
+}
 parallel=()
 workers=${GYMBRIDGE_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}
 case "$workers" in '' | *[!0-9]*) echo "!! GYMBRIDGE_TEST_WORKERS=$workers is not a number"; exit 2 ;; esac
 [ "$workers" -le 4 ] || [ -n "${GYMBRIDGE_TEST_WORKERS:-}" ] || workers=4
 if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
-# The plain command leaves tests/vllm for last (its venv may still be building); with arguments,
-# pytest runs exactly them (after the vLLM venv is ready).
-if [ $# -eq 0 ]; then default=(--ignore=tests/vllm); else default=(); wait_vllm; fi
+# The plain command leaves tests/vllm and the verl tests for last (their venvs may still be building);
+# with arguments, pytest runs exactly them (after both venvs are ready).
+if [ $# -eq 0 ]; then default=(--ignore=tests/vllm --ignore="$VERL_TESTS"); else default=(); wait_vllm; wait_verl; fi
 echo "== pytest${parallel[*]:+ ${parallel[*]}} ${default[*]}"
 set +e
 "$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} ${default[@]+"${default[@]}"} "$@"
@@ -127,6 +147,14 @@ if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
     echo "== pytest -m learning -n 2 (the default smoke and the multi-turn variant learn; the controls stay at chance)"
     set +e
     "$VENV/bin/python" -m pytest -m learning -n 2 --dist load
+    rc=$?
+    set -e
+fi
+if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
+    wait_verl
+    echo "== pytest $VERL_TESTS (verl 0.9.1's agent-loop post-processing, in .venv-verl)"
+    set +e
+    "$VENV/bin/python" -m pytest "$VERL_TESTS"
     rc=$?
     set -e
 fi

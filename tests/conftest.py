@@ -16,7 +16,9 @@ checks.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +38,27 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 settings.register_profile("gymbridge", deadline=None)
 settings.load_profile("gymbridge")
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _unshadow_vllm() -> None:
+    """Keep ``tests/vllm`` from passing for an installed vLLM.
+
+    pytest puts ``tests/`` on ``sys.path`` (this conftest, prepend import mode), where the
+    ``tests/vllm`` folder is importable as a namespace package ``vllm``: TRL then believes vLLM is
+    installed and fails to import (``Version('N/A')``), and ``import vllm`` succeeds without vLLM.
+    Marking the name absent makes both see what is installed (nothing, in ``.venv``).
+    """
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return
+    here = Path(__file__).resolve().parent / "vllm"
+    locations = spec.submodule_search_locations if spec is not None and spec.loader is None else None
+    if locations is not None and all(Path(location).resolve() == here for location in locations):
+        sys.modules["vllm"] = None
+
+
+_unshadow_vllm()
 if XDIST_WORKER:  # read by torch at import and inherited by the processes tests start
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -46,6 +69,9 @@ HEAVY_FIRST = (
     "tests/run/test_run_e2e.py",
     "tests/packaging/test_packaging.py",
     "tests/run/test_shipped_configs_train.py",
+    "tests/integrations/test_trl_train.py",
+    "tests/integrations/test_verl_agent_loop.py",
+    "tests/gym/test_trl_genuine_agent.py",
     "tests/trainer/test_ray_dp.py",
     "tests/run/test_rundir_resume.py",
     "tests/run/test_run_placement.py",
@@ -152,3 +178,39 @@ def gym_wheel_data() -> Path:
             pytest.fail(reason)
         pytest.skip(reason)
     return path
+
+
+def verl_venv_problem(venv: Path | None = None) -> str | None:
+    """Why ``.venv-verl`` (verl 0.9.1 + gymbridge: ``scripts/setup_verl_venv.sh``) is unusable, or ``None``.
+
+    ``VERL_VENV`` overrides the folder; the last failure the setup script recorded
+    (``.cache/verl-setup-failed``) is quoted, so a skipped verl test says why.
+    """
+    root = Path(__file__).resolve().parents[1]
+    venv = venv or Path(os.environ.get("VERL_VENV", root / ".venv-verl"))
+    stamp = venv / ".gymbridge-verl-stamp"
+    problem: str | None = None
+    if not (venv / "bin" / "python").exists():
+        problem = f"{venv} is absent: run `bash scripts/setup_verl_venv.sh` to build the verl 0.9.1 venv"
+    elif not (stamp.exists() and stamp.read_text().strip().endswith("verl==0.9.1")):
+        problem = f"{venv} is incomplete (no stamp for verl==0.9.1): rerun `bash scripts/setup_verl_venv.sh`"
+    note = root / ".cache" / "verl-setup-failed"
+    if problem and note.exists():
+        problem += f"; last setup failure: {note.read_text(errors='replace').strip()[-500:]}"
+    return problem
+
+
+@pytest.fixture(scope="session")
+def verl_python() -> Path:
+    """The ``.venv-verl`` interpreter, for tests that run scripts under verl's own pins.
+
+    Skips with the reason when the venv is unusable; under ``GYMBRIDGE_REQUIRE_VERL=1`` (CI) that is
+    a failure, as ``GYMBRIDGE_REQUIRE_GYM=1`` is for the gym suite.
+    """
+    problem = verl_venv_problem()
+    if problem is not None:
+        if os.environ.get("GYMBRIDGE_REQUIRE_VERL") == "1":
+            pytest.fail(f"GYMBRIDGE_REQUIRE_VERL=1 but the verl tests cannot run: {problem}", pytrace=False)
+        pytest.skip(f"verl tests skipped: {problem}")
+    root = Path(__file__).resolve().parents[1]
+    return Path(os.environ.get("VERL_VENV", root / ".venv-verl")) / "bin" / "python"

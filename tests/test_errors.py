@@ -35,6 +35,9 @@ from gymbridge import errors as E
         (E.EnvSessionLostError, E.EnvServerError),
         (E.EnvFaultError, E.EnvError),
         (E.GeneratorProcessError, E.TrainingError),
+        (E.IntegrationError, E.GymbridgeError),
+        (E.ChatTemplateMediaError, E.IntegrationError),
+        (E.UntrainableRolloutError, E.IntegrationError),
     ],
 )
 def test_tree(cls: type[Exception], parent: type[Exception]) -> None:
@@ -93,3 +96,11 @@ def test_env_fault_error_carries_route_tool_status_and_its_0_7_0_kind() -> None:
     assert late.failure_kind == "transport_timeout" and "passed its deadline" in str(late)
     with pytest.raises(ValueError, match="tool's own answer"):
         env_fault("/zoom", tool="zoom", status=500)
+
+
+def test_untrainable_rollout_error_names_the_rollout_and_refuses_an_unknown_reason() -> None:
+    err = E.UntrainableRolloutError("an image after the first model call", reason="mid_episode_media", row=3)
+    assert (err.reason, err.row) == ("mid_episode_media", 3)
+    assert str(err).startswith("rollout 3: ")
+    with pytest.raises(ValueError, match="unknown reason"):
+        E.UntrainableRolloutError("x", reason="bad")

@@ -47,6 +47,7 @@ __all__ = [
     "build_tiny_tokenizer",
     "build_tiny_vlm",
     "qwen_chat_template",
+    "tiny_hf_processor",
 ]
 
 IMAGE_PAD = "<|image_pad|>"
@@ -381,6 +382,39 @@ class TinyVLMProcessor:
 
     def decode(self, *args: Any, **kwargs: Any) -> Any:
         return self.tokenizer.decode(*args, **kwargs)
+
+
+@functools.cache
+def _hf_processor_class() -> Any:
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+
+    class TinyQwen2VLProcessor(Qwen2VLProcessor):
+        """``Qwen2VLProcessor`` without its video half (the stock video processor needs torchvision)."""
+
+        def __init__(
+            self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+        ) -> None:
+            self.image_token = IMAGE_PAD
+            self.video_token = VIDEO_PAD
+            self.image_token_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
+            self.video_token_id = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
+            init: Any = ProcessorMixin.__init__  # untyped in transformers
+            init(self, image_processor, tokenizer, chat_template=chat_template)
+
+    return TinyQwen2VLProcessor
+
+
+def tiny_hf_processor(tokenizer: Any | None = None) -> Any:
+    """The tiny model's tokenizer and image processor as a transformers ``ProcessorMixin``.
+
+    A ``Qwen2VLProcessor`` (subclass) over :func:`build_tiny_tokenizer` and the tiny image
+    processor, images only: what trainers that dispatch on ``ProcessorMixin`` (TRL) or on the
+    processor's class (verl) need, where :class:`TinyVLMProcessor` is gymbridge's own duck-typed
+    one. It expands each ``<|image_pad|>`` exactly as :class:`TinyVLMProcessor` does and carries
+    the same chat template. ``tokenizer`` defaults to a fresh :func:`build_tiny_tokenizer`.
+    """
+    tok = build_tiny_tokenizer() if tokenizer is None else tokenizer
+    return _hf_processor_class()(TinyImageProcessor.build(), tok, chat_template=tok.chat_template)
 
 
 @dataclass(frozen=True)

@@ -132,3 +132,21 @@ def test_regression_concurrent_builds_return_one_cached_object() -> None:
     for t in threads:
         t.join(timeout=120)
     assert len(got) == 2 and got[0] is got[1]
+
+
+def test_hf_processor_is_a_processor_mixin_that_expands_like_the_tiny_processor() -> None:
+    """What TRL (``isinstance(.., ProcessorMixin)``) and verl (the class name) dispatch on."""
+    from transformers import ProcessorMixin, Qwen2VLProcessor
+
+    from gymbridge.testing.tiny_vlm import tiny_hf_processor
+
+    tiny = build_tiny_vlm(0)
+    hf = tiny_hf_processor(tiny.tokenizer)
+    assert isinstance(hf, ProcessorMixin) and isinstance(hf, Qwen2VLProcessor)
+    assert hf.image_token_id == tiny.image_token_id and hf.chat_template == tiny.tokenizer.chat_template
+    images = [Image.new("RGB", (448, 448), (200, 30, 30)), Image.new("RGB", (64, 96), (0, 90, 0))]
+    text = _chat(tiny, n_images=2)
+    ours = tiny.processor(text=text, images=images)
+    theirs = hf(text=[text], images=images, return_tensors="pt")
+    for key in ("input_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids"):
+        assert torch.equal(ours[key], theirs[key]), key
