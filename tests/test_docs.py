@@ -38,3 +38,56 @@ def test_every_docs_link_points_at_a_file_in_the_repository() -> None:
     ]
     assert not missing, missing
     assert (REPO / "docs" / "design.md").is_file()
+
+
+REPO_PATH = re.compile(
+    r"`((?:gymbridge|tests|docs|environments|benchmarks|scripts|examples)/[\w./-]*[\w/])(?:::[\w\[\]-]+)?`"
+)
+SET_KEY = re.compile(r"--set\s+([a-z_][\w.]*)=")
+
+
+def _user_docs() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def test_regression_every_repository_path_named_in_the_docs_exists() -> None:
+    """The run recipe moved gymbridge/launch/ and tests/trainer/ files; the docs kept naming the old
+    paths. A line that dates a number to an older commit ("at commit `e4e3505`") may name what was."""
+    missing = [
+        f"{path.relative_to(REPO)}:{n}: {target}"
+        for path in _user_docs()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if "at commit" not in line
+        for target in REPO_PATH.findall(line)
+        if not (REPO / target.rstrip("/")).exists()
+    ]
+    assert not missing, "\n".join(missing)
+
+
+def _config_keys() -> set[str]:
+    from gymbridge.run.config import RunConfig
+
+    keys: set[str] = set()
+
+    def walk(model: type, prefix: str) -> None:
+        for name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            keys.add(prefix + name)
+            sub = field.annotation
+            if isinstance(sub, type) and hasattr(sub, "model_fields"):
+                walk(sub, prefix + name + ".")
+
+    walk(RunConfig, "")
+    return keys
+
+
+def test_regression_every_set_key_in_the_docs_is_a_run_config_key() -> None:
+    """The docs showed the old launcher's flat keys (``--set dp_workers=2``, ``--set dedup=false``),
+    which the sectioned RunConfig refuses."""
+    keys = _config_keys()
+    wrong = [
+        f"{path.relative_to(REPO)}: --set {key}="
+        for path in _user_docs()
+        for key in SET_KEY.findall(path.read_text())
+        if key not in keys and not key.startswith("env.params.") and key not in {"key", "KEY"}
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -13,18 +13,17 @@ and stay at chance under two controls: grey tool images, and a deliberately stal
 are the end-to-end proof that per-turn media, the refresh rule and deduplication line up: an image
 that does not reach the turn it decides cannot be learned from.
 
-All of them run the shipped config with ``rollout.native: true``: the same loop, trainer, warm-up and
-environment, with rollouts driven in process, which makes a run bit-reproducible (every
-rollout's sampling seed is derived from ``(seed, task, rollout index)``). On the Gym path the
-rollout order within a group follows HTTP arrival, so reruns differ in float rounding and,
-now and then, in the samples drawn; a learning curve that depends on that is not a test that
-can fail only for a reason (the README reports the Gym path's own runs).
+The default smoke's test runs exactly what a user runs: the shipped config on the Gym path (HTTP to
+the agent and the model server) at the machine's default torch threads. There the rollout order
+within a group follows HTTP arrival and the thread count changes the order of float reductions,
+so no two runs are bit-identical: the test asserts what holds on every run measured, the reward
+over the last 10 steps >= 0.8 (docs/benchmarks.md, "Learning robustness": 20 of 20 runs, seeds
+0-9 at default threads and at one thread, two runs at once, ended >= 0.9; the worst was 0.93).
 
-A native run is bit-reproducible for a given torch thread count (the count changes the order of
-float reductions, and a learning curve follows its rounding), so every test here pins one torch
-thread (``one_torch_thread``): the same numbers alone, on a pytest-xdist worker, or on a machine
-with more cores. No test here has a wall-clock budget: how long the default run takes is a
-benchmark (benchmarks/smoke_time.py; docs/benchmarks.md has the run times).
+The controls and the multi-turn variant run with ``rollout.native: true`` and one torch thread
+(``one_torch_thread``), which makes each run bit-reproducible (every rollout's sampling seed is
+derived from ``(seed, task, rollout index)`` and the reduction order is fixed): the same numbers
+alone, on a pytest-xdist worker, or on a machine with more cores.
 
 Step 1 comes before any update, after the warm-up: its 16 rollouts sample a policy that has seen
 no reward yet, so its reward is about chance, 0.5 give or take the draw (a fair coin gives 10 or
@@ -54,7 +53,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.learning,
     pytest.mark.timeout(1800),  # a hang guard: ~110 s alone, 196 s in CI, 1000 s at load average 24
-    pytest.mark.usefixtures("one_torch_thread"),
 ]
 
 
@@ -88,19 +86,21 @@ def one_torch_thread() -> Iterator[None]:
 
 
 def test_default_smoke_learns_from_env_reward_alone(tmp_path: Path) -> None:
-    cfg = load_run_config(["smoke"], [], {"run_dir": str(tmp_path / "run"), "native": True})
-    assert cfg.shaping.kind == "none" and cfg.env.name == "color_pick"
+    """The shipped default as a user runs it: the Gym path, the machine's default threads."""
+    cfg = load_run_config(["smoke"], [], {"run_dir": str(tmp_path / "run")})
+    assert cfg.shaping.kind == "none" and cfg.env.name == "color_pick" and not cfg.rollout.native
     result, log = quiet_train(cfg)
     rewards = result.env_rewards
     assert len(rewards) == cfg.steps
     assert rewards[0] <= 0.7, log  # about chance after the format warm-up (module docstring)
     _assert_step1_blind_to_the_image(tmp_path / "run")
-    assert _mean(rewards[-10:]) >= 0.9, log
+    assert _mean(rewards[-10:]) >= 0.8, log
     assert result.shaping_rewards == [0.0] * cfg.steps
     assert result.rollouts_failed == 0
     assert (tmp_path / "run" / "charts" / "env_reward.png").is_file()
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_blanked_images_stay_at_chance(tmp_path: Path) -> None:
     cfg = load_run_config(
         ["smoke"], [("env.params.blank", True)], {"run_dir": str(tmp_path / "run"), "native": True}
@@ -127,6 +127,7 @@ def _tool_run(tmp_path: Path, overrides: list[tuple[str, object]]) -> tuple[list
     return result.env_rewards, log
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_image_variant_learns_from_env_reward_alone(tmp_path: Path) -> None:
     rewards, log = _tool_run(tmp_path, [])
     # the warm-up taught the answer only: the forced look call is never sampled
@@ -143,12 +144,14 @@ def test_tool_image_variant_learns_from_env_reward_alone(tmp_path: Path) -> None
         assert [m["modality"] for m in second["media"]] == ["image"]
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_variant_blanked_images_stay_at_chance(tmp_path: Path) -> None:
     rewards, log = _tool_run(tmp_path, [("env.params.blank", True)])
     assert 0.3 <= _mean(rewards[-30:]) <= 0.7, log
     assert max(_mean(rewards[i : i + 10]) for i in range(0, len(rewards) - 9)) < 0.9, log
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_tool_variant_stale_turn0_prompt_stays_at_chance(tmp_path: Path) -> None:
     """The generator's input keeps the turn-0 prompt's media only (the tool's image withheld).
 
