@@ -61,6 +61,13 @@ own bounded thread pools, off the event loop and off the default executor:
 decode and render in a separate pool of ``media_threads`` threads, so at most that many
 images are decoded at once (the memory bound) and text-only requests never wait
 behind image decoding.
+
+Counters (:meth:`ModelServer.counters`, ``GET /counters``; :class:`~gymbridge.metrics.PhaseTimer`
+keys, every value monotone): ``compute`` (the generator's own calls: each batched call once;
+``compute_busy_s`` is the seconds the generator was busy), ``generate`` (each request from
+its arrival at the generator to its answer, batching wait included), ``prepare`` (building,
+rendering and tokenizing a request), ``weights_receive`` (loading a published version), and
+the counts ``prompt_tokens`` and ``generated_tokens``.
 """
 
 from __future__ import annotations
@@ -222,11 +229,19 @@ class ModelServer:
             reasoning_parser=codec.reasoning_parser,
         )
         self.codec.reasoning_parser = self.config.reasoning_parser
+        from gymbridge.metrics.timing import PhaseTimer
+
+        self.timings = PhaseTimer()
+        """The server's own counters (module docstring, "Counters"); :meth:`counters` reads them."""
+        self._batched = self.config.batching and needs_batching(generator)
         self.generator: Generator = (
             BatchingGenerator(
-                generator, max_batch_size=self.config.max_batch_size, window_s=self.config.batch_window_s
+                generator,
+                max_batch_size=self.config.max_batch_size,
+                window_s=self.config.batch_window_s,
+                timer=self.timings,
             )
-            if self.config.batching and needs_batching(generator)
+            if self._batched
             else generator
         )
         if media_policy is None:
@@ -277,6 +292,7 @@ class ModelServer:
             ("POST", "/weights/update"): self._weights_update,
             ("GET", "/weights/status"): self._weights_status,
             ("GET", "/media_cache"): self._media_cache_stats,
+            ("GET", "/counters"): self._counters,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -443,9 +459,10 @@ class ModelServer:
         # media fetches, decoding and the processor are blocking: keep them off the event loop, in
         # the server's own bounded pools (a flood of huge requests cannot take the default executor)
         loop = asyncio.get_running_loop()
-        messages = await loop.run_in_executor(self._prepare_pool, build_checked)
-        pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
-        return await loop.run_in_executor(pool, work, messages)
+        with self.timings.time("prepare"):
+            messages = await loop.run_in_executor(self._prepare_pool, build_checked)
+            pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
+            return await loop.run_in_executor(pool, work, messages)
 
     # ------------------------------------------------------------------ media by content key
 
@@ -511,7 +528,23 @@ class ModelServer:
             raise ContextLengthError(prompt_tokens=at_least, max_model_len=self.config.max_model_len)
 
     async def _generate(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
-        return (await self.generator.generate([inp], sampling))[0]
+        timer = self.timings
+        with timer.time("generate"):
+            if self._batched:  # the batching layer times each batched call as ``compute``
+                gen = (await self.generator.generate([inp], sampling))[0]
+            else:  # a backend batching on its own (vLLM): its time is the requests' time
+                with timer.time("compute"):
+                    gen = (await self.generator.generate([inp], sampling))[0]
+        timer.count("prompt_tokens", len(inp.prompt_token_ids))
+        timer.count("generated_tokens", len(gen.token_ids))
+        return gen
+
+    def counters(self) -> dict[str, float]:
+        """The server's counters now (module docstring, "Counters"): every value only grows."""
+        return self.timings.snapshot()
+
+    async def _counters(self, _request: web.Request) -> web.Response:
+        return _json(self.counters())
 
     # ------------------------------------------------------------------ handlers
 
@@ -766,6 +799,7 @@ class ModelServer:
                 raise
             self._weight_syncs += 1
             self._last_sync_s = seconds
+            self.timings.add("weights_receive", seconds)
             sink.mark_loaded(version, "ok")
 
         self._weight_task = asyncio.create_task(
