@@ -24,8 +24,11 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
   weight layout; 400 listing every layout mismatch, else 202 and the server joins the group
   in the background), ``POST /weights/update`` (``version`` + ``buckets``: names, shapes,
   dtypes; 202 once checked, then the buckets are received and loaded, and the version is
-  marked loaded in the group's store), ``GET /weights/status``. See
-  :mod:`gymbridge.trainer.weight_sync`.
+  marked loaded in the group's store), ``GET /weights/status``. With ``"transport":
+  "shared_memory"`` (a trainer on this host, a CPU model: :mod:`gymbridge.generation.shared_weights`)
+  ``init_group`` maps the trainer's two ``/dev/shm`` segments instead of joining a group
+  (200) and ``update`` names the written ``segment``, answered 200 once the model points
+  at it. See :mod:`gymbridge.trainer.weight_sync`.
 
 Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
@@ -736,6 +739,10 @@ class ModelServer:
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
         body = await self._body(request)
+        if body.get("transport", "broadcast") == "shared_memory":
+            return await self._weights_attach_shared(sink, body)
+        if body.get("transport", "broadcast") != "broadcast":
+            raise _BadRequest("'transport' must be 'broadcast' or 'shared_memory'")
         host, port = body.get("host"), body.get("port")
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             raise _BadRequest("'host' (string) and 'port' (int) are required")
@@ -768,6 +775,33 @@ class ModelServer:
         self._weight_task = asyncio.create_task(self._run_weight_task("init_group", join()))
         return web.json_response({"status": "joining", "ranks": sink.ranks}, status=202)
 
+    async def _weights_attach_shared(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
+        """``init_group`` with ``transport: shared_memory``: map the trainer's two segments now."""
+        from gymbridge.generation.weights import TensorSpec
+
+        attach = getattr(sink, "attach_shared", None)
+        if not callable(attach):
+            raise _BadRequest(
+                f"this generator ({type(sink).__name__}) cannot load weights from shared memory",
+                kind="WeightSyncError",
+            )
+        segments, nonce, tensors = body.get("segments"), body.get("nonce"), body.get("tensors")
+        if not isinstance(segments, list) or not isinstance(nonce, str) or not isinstance(tensors, list):
+            raise _BadRequest(
+                "shared_memory needs 'segments' (list), 'nonce' (hex string) and 'tensors' (list)"
+            )
+        try:
+            nonce_bytes = bytes.fromhex(nonce)
+        except ValueError as exc:
+            raise _BadRequest("'nonce' must be hex") from exc
+        specs = [TensorSpec.from_json(t) for t in tensors]
+        sink.check(specs)
+        self._weight_error = None
+        self._group_ready = False
+        await asyncio.to_thread(attach, segments, nonce_bytes, specs)
+        self._group_ready = True
+        return _json({"status": "attached", "transport": "shared_memory", "ranks": sink.ranks})
+
     async def _weights_update(self, request: web.Request) -> web.Response:
         from gymbridge.generation.weights import Bucket
 
@@ -780,6 +814,8 @@ class ModelServer:
             await asyncio.wait({self._weight_task}, timeout=timeout_s)
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        if body.get("transport") == "shared_memory":
+            return await self._weights_swap_shared(sink, body)
         if not self._group_ready:
             raise _BadRequest("no weight group: POST /weights/init_group first", status=409, kind="Conflict")
         version = _int_or_none(body, "version")
@@ -807,12 +843,34 @@ class ModelServer:
         )
         return web.json_response({"status": "receiving", "version": version}, status=202)
 
+    async def _weights_swap_shared(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
+        """``update`` with ``transport: shared_memory``: the written segment becomes the weights."""
+        swap = getattr(sink, "swap_shared", None)
+        if not callable(swap) or getattr(sink, "transport", None) != "shared_memory":
+            raise _BadRequest(
+                "no shared-memory segments: POST /weights/init_group with them first",
+                status=409,
+                kind="Conflict",
+            )
+        version = _int_or_none(body, "version")
+        if version is None or version < sink.policy_version:
+            raise _BadRequest(f"'version' must be an int >= the loaded version {sink.policy_version}")
+        segment = _int_or_none(body, "segment")
+        if segment not in (0, 1):
+            raise _BadRequest("'segment' must be 0 or 1")
+        seconds = float(await asyncio.to_thread(swap, version, segment))
+        self._weight_syncs += 1
+        self._last_sync_s = seconds
+        self.timings.add("weights_receive", seconds)
+        return _json({"status": "loaded", "version": version, "transport": "shared_memory"})
+
     async def _weights_status(self, _request: web.Request) -> web.Response:
         sink = self._sink()
         return _json(
             {
                 "policy_version": sink.policy_version,
                 "ranks": sink.ranks,
+                "transport": getattr(sink, "transport", "broadcast"),
                 "group_ready": self._group_ready,
                 "busy": self._weights_busy(),
                 "syncs": self._weight_syncs,
