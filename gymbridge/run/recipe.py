@@ -70,6 +70,9 @@ ResumeMode = Literal["never", "must", "allow"]
 """``never``: a fresh run; ``must``: continue from the newest checkpoint or refuse; ``allow``: continue
 when there is a checkpoint, else start afresh in the same directory."""
 
+_TRANSPORT_NAMES = {"broadcast": "torch.distributed broadcast", "shared_memory": "shared memory"}
+"""The placement line's words for each ``DistributedPublisher.transport``."""
+
 
 class GRPORun:
     """One GRPO run (module docstring). Use it as an async context manager, or call :meth:`setup`
@@ -374,7 +377,8 @@ class GRPORun:
         if handle.publisher is None:
             self.say(f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)")
         else:
-            how = "copy" if handle.placement == "in_process" else "torch.distributed broadcast"
+            transport = str(getattr(handle.publisher, "transport", None))  # set by the v0 publication
+            how = "copy" if handle.placement == "in_process" else _TRANSPORT_NAMES.get(transport, transport)
             self.say(
                 f"generator: {where}; weights published after every step ({how}); "
                 f"v{self.version} in {sync_s:.3f}s"
