@@ -1,5 +1,5 @@
 """Payload metrics (bytes crossing each named boundary, docs/design.md "Payload boundaries") and
-phase timers (seconds per named phase, docs/benchmarks.md "Where a step's time goes").
+phase timers (seconds per named phase, docs/timing.md).
 
 See :mod:`.payload` and :mod:`.timing`.
 """
