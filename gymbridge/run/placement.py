@@ -80,6 +80,8 @@ class GeneratorHandle:
     """The child model server's pid (``placement: process``)."""
     version: int = -1
     """The last published policy version (-1: none yet)."""
+    server: Any | None = None
+    """The in-process :class:`~gymbridge.generation.server.ModelServer` (``None``: none in this process)."""
 
     def publish(self, model: Any, version: int) -> float:
         """Publish ``model`` as ``version`` (when publication is on and it is new); returns seconds."""
@@ -137,6 +139,7 @@ async def start_generator(
     generator = HFGenerator(build(model_seed), processor, max_model_len=max_model_len, model_name=model_name)
     publisher = InProcessPublisher(generator) if cfg.publish_weights else None
     url: str | None = None
+    server = None
     if serve:
         from gymbridge.bridge import PromptSeededGenerator
         from gymbridge.generation.server import ModelServer, ModelServerConfig
@@ -151,7 +154,7 @@ async def start_generator(
         )
         url = await server.start(port=port)
         stack.push_async_callback(server.stop)
-    return GeneratorHandle("in_process", generator, url, publisher)
+    return GeneratorHandle("in_process", generator, url, publisher, server=server)
 
 
 async def _start_process(
