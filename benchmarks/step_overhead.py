@@ -10,16 +10,17 @@ advantages), all on one event loop. The model is a ``ScriptedModelServer`` in a 
 calls and ``turns - 1`` tool calls, with one image per turn. For each G (rollouts per prompt,
 2 prompts per step as in the smoke) and each turn count it runs ``--warmup`` steps, then
 ``--steps`` steps, and prints this process's CPU seconds per rollout (``time.process_time``:
-every thread), the wall time per step, and the split the components report (the bridge's
-``BatchTimings``, the agent's counters). Goal: at most 5 ms per one-turn rollout, linear in
-turns.
+every thread), the wall time per step, and the split the components report (each batch's
+``BridgeBatch.timings``, the agent's counters). Goal: at most 5 ms per one-turn rollout, linear
+in turns.
 
 Default (no ``--scripted``): ``gymbridge smoke run`` of the default config for ``--steps``
 steps in a child process (``--set`` passes more overrides), then the per-step split read from
-its ``metrics.jsonl``: every timing key a record holds (``step_s``, ``weight_sync_s``, the
-trainer's ``elapsed_s``, ``forward_backward_s``, ``optimizer_s``, and the phase keys the run
-writes), median over the steps after the first. ``--artifacts both`` repeats the run with the
-run's artifacts off, when the config has a switch for them.
+its ``metrics.jsonl``: every timing key a record holds (``step_s``, the ``timing/*`` phases,
+``weight_sync_s``, the trainer's ``elapsed_s``, ``forward_backward_s``, ``optimizer_s``),
+median over the steps after the first, and the bridge's own share (``step_s`` less generation,
+forward/backward and the optimizer). ``--artifacts both`` repeats the run with
+``output.artifacts=false``.
 
     .venv/bin/python benchmarks/step_overhead.py --scripted [--groups 8 16 64] [--turns 1 2 4]
     .venv/bin/python benchmarks/step_overhead.py --steps 20 [--artifacts both]
@@ -121,7 +122,7 @@ def _rows(n: int, turns: int) -> list[dict[str, Any]]:
 
 
 async def _scripted_level(model_url: str, g: int, turns: int, warmup: int, steps: int) -> dict[str, Any]:
-    from gymbridge.bridge import BridgeIterator, GymRollouts
+    from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
     from gymbridge.client import GymClient
     from gymbridge.server import SimpleAgent, start_server
     from gymbridge.tensors import MediaProcessor
@@ -139,27 +140,22 @@ async def _scripted_level(model_url: str, g: int, turns: int, warmup: int, steps
             _rows(prompts * (warmup + steps), turns),
             GymRollouts(client, deadline_s=300),
             MediaProcessor(tiny.processor),
-            group_size=g,
-            prompts_per_batch=prompts,
-            min_group_size=g,
+            BridgeConfig(group_size=g, prompts_per_step=prompts, min_group_size=g),
             placeholder_token_ids=[tiny.image_token_id, tiny.video_token_id],
         )
         for _ in range(warmup):
-            await bridge.__anext__()
-        # getattr: the benchmark also runs against checkouts from before the counters (a "before" run)
-        counters = getattr(agent, "counters", dict)
-        agent_before = counters()
+            await bridge.next_batch()
+        agent_before = agent.counters()
         ok_before = bridge.stats.rollouts_ok
         cpu0, wall0 = time.process_time(), time.perf_counter()
         split: dict[str, float] = {}
         for _ in range(steps):
-            await bridge.__anext__()
-            timings = getattr(bridge, "last_timings", None)
-            for k, v in (timings.as_dict() if timings is not None else {}).items():
+            got = await bridge.next_batch()
+            for k, v in got.timings.as_dict().items():
                 split[k] = split.get(k, 0.0) + v
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
         rollouts = bridge.stats.rollouts_ok - ok_before
-        agent_delta = {k: v - agent_before.get(k, 0.0) for k, v in counters().items()}
+        agent_delta = {k: v - agent_before.get(k, 0.0) for k, v in agent.counters().items()}
         failed = bridge.stats.rollouts_failed
         await bridge.aclose()
     finally:
@@ -242,18 +238,6 @@ def print_scripted(rows: list[dict[str, Any]]) -> None:
 
 # ---------------------------------------------------------------------------- smoke mode
 
-ARTIFACT_SWITCHES = ("artifacts", "write_artifacts")
-"""Config keys that may turn a run's artifacts off (the first one the config knows is used)."""
-
-
-def _artifact_switch() -> str | None:
-    try:
-        from gymbridge.launch.smoke import SmokeConfig
-    except ImportError:
-        return None
-    fields = SmokeConfig.model_fields
-    return next((k for k in ARTIFACT_SWITCHES if k in fields), None)
-
 
 def smoke(steps: int, overrides: list[str], artifacts: bool) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="step-overhead-") as tmp:
@@ -268,15 +252,12 @@ def smoke(steps: int, overrides: list[str], artifacts: bool) -> list[dict[str, A
             str(steps),
             "--no-progress",
             "--set",
-            f"run_dir={run_dir}",
+            f"output.run_dir={run_dir}",
         ]
         for item in overrides:
             cmd += ["--set", item]
         if not artifacts:
-            switch = _artifact_switch()
-            if switch is None:
-                raise SystemExit("this version's config has no switch for the run's artifacts")
-            cmd += ["--set", f"{switch}=false"]
+            cmd += ["--set", "output.artifacts=false"]
         started = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         took = time.perf_counter() - started
@@ -318,6 +299,20 @@ def print_smoke(runs: dict[str, list[dict[str, Any]]]) -> None:
             values = [v for v in values if isinstance(v, (int, float))]
             cells.append(f"{statistics.median(values):.4f}" if values else "-")
         print(f"| {key} | " + " | ".join(cells) + " |")
+    print("\nthe bridge's own seconds per step (step_s less generation, forward_backward, optimizer):")
+    for name in names:
+        own = [_bridge_own(r) for r in runs[name][1:]]
+        steps = [float(r["step_s"]) for r in runs[name][1:]]
+        if own:
+            print(
+                f"  {name}: median {statistics.median(own):.4f} s of a median step of "
+                f"{statistics.median(steps):.4f} s"
+            )
+
+
+def _bridge_own(rec: dict[str, Any]) -> float:
+    model = sum(float(rec.get(f"timing/{k}", 0.0)) for k in ("generation", "forward_backward", "optimizer"))
+    return float(rec["step_s"]) - model
 
 
 def main(argv: list[str] | None = None) -> int:
