@@ -1,8 +1,8 @@
 """The bridge: dataset rows -> G rollouts per prompt -> ``TrainBatch`` es, plus a replay buffer.
 
 Public API (stable): :class:`BridgeIterator` (sync and async iteration; :meth:`~BridgeIterator.next_batch`
-gives each batch with what a step reports, a :class:`BridgeBatch`), its settings :class:`BridgeConfig`,
-:class:`BridgeStats`,
+gives each batch with what a step reports, a :class:`BridgeBatch`, its :class:`BatchTimings` included),
+its settings :class:`BridgeConfig`, :class:`BridgeStats`,
 :class:`BridgeStalledError`, the rollout sources :class:`GymRollouts` (agent ``/run``) and
 :class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`, :class:`ReplayBuffer`
 (atomic checkpoints) and :func:`write_atomic`; :class:`RowReferencer` (media by reference:
@@ -16,6 +16,7 @@ from __future__ import annotations
 from gymbridge.bridge.byref import RowReferencer
 from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.iterator import (
+    BatchTimings,
     BridgeBatch,
     BridgeIterator,
     BridgeStalledError,
@@ -29,6 +30,7 @@ from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord,
 from gymbridge.safe_io import write_atomic
 
 __all__ = [
+    "BatchTimings",
     "BridgeBatch",
     "BridgeConfig",
     "BridgeIterator",

@@ -97,6 +97,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "BatchTimings",
     "BridgeBatch",
     "BridgeIterator",
     "BridgeStalledError",
@@ -155,6 +156,38 @@ class GroupResult:
     """:attr:`BridgeIterator.policy_version` when the group's rollouts started."""
     staleness: int = 0
     """Policy versions between the oldest turn of the group and the version that consumed it."""
+    rollouts_s: float = 0.0
+    """Wall seconds the source took for the group's rollouts (``source.rollouts``)."""
+    postprocess_s: float = 0.0
+    """Seconds spent turning the group's results into trajectories (on the event loop)."""
+    build_s: float = 0.0
+    """Seconds spent building the group's batch: media processing, dedup, advantages (on the loop)."""
+
+
+@dataclass(frozen=True)
+class BatchTimings:
+    """Where the bridge's time went for one yielded batch (:attr:`BridgeBatch.timings`).
+
+    ``postprocess_s``, ``build_s`` and ``assemble_s`` are synchronous work on the event loop, so
+    they never overlap one another: their sum is wall time the loop spent. ``rollouts_s`` sums
+    the groups' rollout wall times, which run concurrently (it can exceed ``wait_s``). Every
+    group consumed for the batch counts, dropped ones (stale, zero-variance, failed) included.
+    """
+
+    wait_s: float = 0.0
+    """Wall seconds of the ``__anext__`` call that produced the batch (the caller's wait)."""
+    rollouts_s: float = 0.0
+    postprocess_s: float = 0.0
+    build_s: float = 0.0
+    assemble_s: float = 0.0
+    """Concatenating the groups' batches into the yielded one (``cat_groups``)."""
+    groups: int = 0
+    """Groups consumed for the batch (trained or dropped)."""
+    rollouts: int = 0
+    """Rollouts of those groups that became trajectories."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.__dict__.items()}
 
 
 @dataclass(frozen=True)
@@ -172,6 +205,8 @@ class BridgeBatch:
     """Rollouts that succeeded while this batch was assembled (those of dropped groups included)."""
     rollouts_failed: int
     """Rollouts that failed while this batch was assembled (each recorded)."""
+    timings: BatchTimings = field(default_factory=BatchTimings)
+    """Where the bridge's time went for this batch (:class:`BatchTimings`)."""
 
     @property
     def task_indices(self) -> list[int]:
@@ -417,6 +452,7 @@ class BridgeIterator:
         started = time.monotonic()
         failures: list[dict[str, Any]] = []
         trajs: list[Trajectory] = []
+        rollouts_s = postprocess_s = 0.0
         if isinstance(row, Exception):
             for i in range(self.config.group_size):
                 failures.append(self._rollout_failure(task_index, i, "bad_row", str(row), 0))
@@ -434,12 +470,16 @@ class BridgeIterator:
                 raise RuntimeError(
                     f"rollout source returned {len(records)} records for a group of {self.config.group_size}"
                 )
+            rolled = time.perf_counter()
+            rollouts_s = time.monotonic() - started
             for rec in records:
                 out = self._postprocess(rec)
                 if isinstance(out, dict):
                     failures.append(out)
                 else:
                     trajs.append(out)
+            postprocess_s = time.perf_counter() - rolled
+        building = time.perf_counter()
         batch: TrainBatch | None = None
         reason: str | None = None
         if len(trajs) >= self.config.min_group:
@@ -494,7 +534,16 @@ class BridgeIterator:
             self._record(record)
             failures.append(record)
         return GroupResult(
-            task_index, batch, trajs, failures, rewards, time.monotonic() - started, started_version
+            task_index,
+            batch,
+            trajs,
+            failures,
+            rewards,
+            time.monotonic() - started,
+            started_version,
+            rollouts_s=rollouts_s,
+            postprocess_s=postprocess_s,
+            build_s=time.perf_counter() - building,
         )
 
     def _build(self, trajs: list[Trajectory]) -> TrainBatch:
@@ -595,8 +644,10 @@ class BridgeIterator:
             self.policy_version = policy_version
         if self._closed:
             raise StopAsyncIteration
+        asked = time.perf_counter()
         ok_before, failed_before = self.stats.rollouts_ok, self.stats.rollouts_failed
         groups: list[GroupResult] = []
+        consumed: list[GroupResult] = []
         dropped_stale: list[GroupResult] = []
         dropped_zero_variance: list[GroupResult] = []
         per_batch = self.config.prompts_per_step
@@ -616,6 +667,7 @@ class BridgeIterator:
                 raise
             finally:
                 self._task_index.pop(task, None)
+            consumed.append(result)
             self.done_task_indices.add(result.task_index)
             if result.batch is not None:
                 result = replace(result, staleness=self._staleness(result))
@@ -675,7 +727,18 @@ class BridgeIterator:
                     failures=self.failures[-4 * self.config.group_size :],
                 )
             raise StopAsyncIteration
+        assembling = time.perf_counter()
         batch = self._assemble(groups)
+        finished = time.perf_counter()
+        timings = BatchTimings(
+            wait_s=finished - asked,
+            rollouts_s=sum(g.rollouts_s for g in consumed),
+            postprocess_s=sum(g.postprocess_s for g in consumed),
+            build_s=sum(g.build_s for g in consumed),
+            assemble_s=finished - assembling,
+            groups=len(consumed),
+            rollouts=sum(len(g.trajectories) for g in consumed),
+        )
         self.stats.batches += 1
         if self.meter is not None:
             self.meter.record("rollout_to_policy", batch)
@@ -688,6 +751,7 @@ class BridgeIterator:
             dropped_zero_variance=dropped_zero_variance,
             rollouts_ok=self.stats.rollouts_ok - ok_before,
             rollouts_failed=self.stats.rollouts_failed - failed_before,
+            timings=timings,
         )
 
     def _drop_zero_variance(self, group: GroupResult) -> None:

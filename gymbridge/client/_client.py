@@ -21,10 +21,17 @@ Invariants:
   refusing the row's sampling parameters behind genuine ``simple_agent``: ``status`` is then
   the inner one); an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
   ``env_session_lost`` failure;
-* httpx exceptions are mapped to gymbridge errors in one place
-  (:func:`_map_httpx_errors`); nothing else sees them;
+* transport exceptions are mapped to gymbridge errors in one place per HTTP library
+  (:func:`_map_aiohttp_errors`, :func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
-  ``responses_create_params`` (genuine servers answer 422 to unknown keys).
+  ``responses_create_params`` (genuine servers answer 422 to unknown keys);
+* no cookie is kept between rollouts: an agent's ``Set-Cookie`` never rides along on the
+  next row's request.
+
+``POST /run`` goes through one aiohttp session (its connection pool bounded by
+``max_connections``, no cookie jar, orjson bodies); with an explicit httpx ``transport``
+(``httpx.MockTransport`` / ``httpx.ASGITransport`` in tests) it goes through httpx instead.
+Discovery (``GET /global_config_dict_yaml``, once) always uses httpx.
 """
 
 from __future__ import annotations
@@ -33,10 +40,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sized
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sized
+from dataclasses import dataclass
+from http.cookiejar import CookieJar
 from pathlib import Path
 from typing import IO, Any
 
+import aiohttp
 import httpx
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
@@ -61,7 +71,18 @@ __all__ = ["GymClient"]
 logger = logging.getLogger(__name__)
 
 POOL_SHARD_SIZE = 8
-"""Connections per httpx client: 8 measured 2.4x the rollouts/s of 32 at 32 in flight (docs/http.md)."""
+"""Connections per httpx client (the ``transport=`` path): 8 measured 2.4x the rollouts/s of 32 at
+32 in flight (docs/http.md)."""
+
+
+class _NoCookies(CookieJar):
+    """A cookie jar that keeps nothing (an agent's cookie must not ride along on the next row)."""
+
+    def extract_cookies(self, response: Any, request: Any) -> None:
+        return None
+
+    def set_cookie(self, cookie: Any) -> None:
+        return None
 
 
 class _DataError(GymbridgeError):
@@ -105,11 +126,42 @@ def _map_httpx_errors(url: str, timeout_s: float) -> Iterator[None]:
         raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
 
 
+@contextlib.contextmanager
+def _map_aiohttp_errors(url: str, timeout_s: float) -> Iterator[None]:
+    """The one place aiohttp exceptions become gymbridge errors (the same classes as httpx's).
+
+    A connect timeout (no connection yet) is a transport error; ``TimeoutError`` from the
+    attempt's own deadline is the deadline passing; refused, reset, closed mid-body and invalid
+    HTTP are transport errors.
+    """
+    try:
+        yield
+    except aiohttp.ServerTimeoutError as exc:  # sock_connect (or a socket read) timing out
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: could not connect", server=url) from exc
+    except TimeoutError as exc:
+        raise EnvTimeoutError(f"{url}: no answer within {timeout_s:.3g}s", server=url) from exc
+    except aiohttp.ClientError as exc:
+        raise EnvTransportError(f"{url}: {type(exc).__name__}: {exc}", server=url) from exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    status: int
+    headers: Mapping[str, str]
+    """Case-insensitive."""
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
 class GymClient:
     """Async client for NeMo Gym agents (``POST /run``), direct or via a head server.
 
     Use as an async context manager (or call :meth:`aclose`). ``transport``
-    lets tests plug in ``httpx.MockTransport`` / ``httpx.ASGITransport``.
+    lets tests plug in ``httpx.MockTransport`` / ``httpx.ASGITransport`` (the module docstring
+    says which HTTP library carries what).
     """
 
     def __init__(
@@ -138,12 +190,16 @@ class GymClient:
         self.max_attempts = max_attempts
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+        self._use_httpx = transport is not None
         # httpcore's pool scans every queued request against every connection on each request and
         # release (quadratic: with one 32-connection pool at 32 in flight, ~2,900 is_idle() calls per
         # rollout, most of the client's CPU; docs/http.md), so the connections are split over shards
         # of at most POOL_SHARD_SIZE, each its own AsyncClient; a row always uses the same shard.
         # One TLS context serves every shard (building one costs ~17 ms).
-        shards = max(1, -(-max_connections // POOL_SHARD_SIZE))
+        shards = max(1, -(-max_connections // POOL_SHARD_SIZE)) if self._use_httpx else 1
         per_shard = -(-max_connections // shards)
         tls = httpx.create_ssl_context()
         self._pool = [
@@ -152,6 +208,7 @@ class GymClient:
                 verify=tls,
                 limits=httpx.Limits(max_connections=per_shard, max_keepalive_connections=per_shard),
                 timeout=httpx.Timeout(deadline_s, connect=connect_timeout_s),
+                cookies=_NoCookies(),
             )
             for _ in range(shards)
         ]
@@ -167,6 +224,22 @@ class GymClient:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(client.aclose() for client in self._pool))
+        session, self._session = self._session, None
+        if session is not None and self._session_loop is asyncio.get_running_loop():
+            await session.close()
+
+    def _aiohttp(self) -> aiohttp.ClientSession:
+        """The session of the running loop (made on first use; a new loop gets a new one)."""
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session_loop is not loop or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=0),
+                cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
+                auto_decompress=True,
+            )
+            self._session_loop = loop
+        return self._session
 
     # ------------------------------------------------------------ discovery
     async def discover(self) -> dict[str, str]:
@@ -225,19 +298,13 @@ class GymClient:
             content = orjson.dumps(row, option=orjson.OPT_SERIALIZE_NUMPY)
         except orjson.JSONEncodeError as exc:  # a TypeError subclass: never let it out of run()
             raise _DataError(f"row cannot be sent as JSON: {exc}") from exc
-        with _map_httpx_errors(endpoint, timeout_s):
-            reply = await self._pool[shard % len(self._pool)].post(
-                endpoint,
-                content=content,
-                headers={"Content-Type": "application/json"},
-                timeout=httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s)),
-            )
-        if not 200 <= reply.status_code < 300:
+        reply = await self._post(endpoint, content, timeout_s, shard)
+        if not 200 <= reply.status < 300:
             lost = (
-                reply.status_code == 409
+                reply.status == 409
                 and reply.headers.get(EnvSessionLostError.header) == EnvSessionLostError.failure_class
             )
-            refused = wrapped_client_error(reply.status_code, reply.text)
+            refused = wrapped_client_error(reply.status, reply.text)
             if refused is not None:  # a stock agent's 500 around an inner refusal: data, not retried
                 raise EnvServerError(
                     f"{endpoint} answered HTTP 500 around an inner server's HTTP {refused} (the request "
@@ -247,8 +314,8 @@ class GymClient:
                     server=endpoint,
                 )
             raise (EnvSessionLostError if lost else EnvServerError)(
-                f"{endpoint} answered HTTP {reply.status_code}: {reply.text[:300]}",
-                status=reply.status_code,
+                f"{endpoint} answered HTTP {reply.status}: {reply.text[:300]}",
+                status=reply.status,
                 body=reply.text[:4000],
                 server=endpoint,
             )
@@ -267,6 +334,23 @@ class GymClient:
         if fault is not None:  # the environment failed mid-episode: the reward measures nothing
             raise fault
         return result
+
+    async def _post(self, endpoint: str, content: bytes, timeout_s: float, shard: int) -> _Reply:
+        """One POST of a JSON body within ``timeout_s``; transport faults as gymbridge errors."""
+        headers = {"Content-Type": "application/json"}
+        if self._use_httpx:
+            with _map_httpx_errors(endpoint, timeout_s):
+                answer = await self._pool[shard % len(self._pool)].post(
+                    endpoint,
+                    content=content,
+                    headers=headers,
+                    timeout=httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s)),
+                )
+            return _Reply(answer.status_code, answer.headers, answer.content)
+        with _map_aiohttp_errors(endpoint, timeout_s):
+            async with asyncio.timeout(timeout_s):
+                async with self._aiohttp().post(endpoint, data=content, headers=headers) as resp:
+                    return _Reply(resp.status, resp.headers, await resp.read())
 
     async def run(
         self, row: dict[str, Any], *, deadline_s: float | None = None, index: int = 0

@@ -30,9 +30,13 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
 from gymbridge.trajectory.types import GenerationInput
+
+if TYPE_CHECKING:
+    from gymbridge.metrics.timing import PhaseTimer
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +62,26 @@ class _Pending:
 
 
 class BatchingGenerator:
-    """Wrap ``inner``; ``generate`` calls from many tasks share batched calls to ``inner``."""
+    """Wrap ``inner``; ``generate`` calls from many tasks share batched calls to ``inner``.
 
-    def __init__(self, inner: Generator, *, max_batch_size: int = 64, window_s: float = 0.002) -> None:
+    ``timer``: each batched call to ``inner`` is one interval of its ``compute`` phase (the
+    generator's own time, queueing excluded).
+    """
+
+    def __init__(
+        self,
+        inner: Generator,
+        *,
+        max_batch_size: int = 64,
+        window_s: float = 0.002,
+        timer: PhaseTimer | None = None,
+    ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         self.inner = inner
         self.max_batch_size = max_batch_size
         self.window_s = window_s
+        self.timer = timer
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -123,7 +139,12 @@ class BatchingGenerator:
 
     async def _run_group(self, sampling: SamplingConfig, group: list[_Pending]) -> None:
         try:
-            results = await self.inner.generate([p.inp for p in group], sampling)
+            token = self.timer.start("compute") if self.timer is not None else 0
+            try:
+                results = await self.inner.generate([p.inp for p in group], sampling)
+            finally:
+                if self.timer is not None:
+                    self.timer.stop(token)
             if len(results) != len(group):
                 raise RuntimeError(f"generator returned {len(results)} results for {len(group)} inputs")
         except Exception as exc:  # every waiter must learn of the failure

@@ -24,8 +24,11 @@ Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
   weight layout; 400 listing every layout mismatch, else 202 and the server joins the group
   in the background), ``POST /weights/update`` (``version`` + ``buckets``: names, shapes,
   dtypes; 202 once checked, then the buckets are received and loaded, and the version is
-  marked loaded in the group's store), ``GET /weights/status``. See
-  :mod:`gymbridge.trainer.weight_sync`.
+  marked loaded in the group's store), ``GET /weights/status``. With ``"transport":
+  "shared_memory"`` (a trainer on this host, a CPU model: :mod:`gymbridge.generation.shared_weights`)
+  ``init_group`` maps the trainer's two ``/dev/shm`` segments instead of joining a group
+  (200) and ``update`` names the written ``segment``, answered 200 once the model points
+  at it. See :mod:`gymbridge.trainer.weight_sync`.
 
 Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
 splice of the latest replayed assistant tokens); media go through ``load_media``
@@ -61,6 +64,13 @@ own bounded thread pools, off the event loop and off the default executor:
 decode and render in a separate pool of ``media_threads`` threads, so at most that many
 images are decoded at once (the memory bound) and text-only requests never wait
 behind image decoding.
+
+Counters (:meth:`ModelServer.counters`, ``GET /counters``; :class:`~gymbridge.metrics.PhaseTimer`
+keys, every value monotone): ``compute`` (the generator's own calls: each batched call once;
+``compute_busy_s`` is the seconds the generator was busy), ``generate`` (each request from
+its arrival at the generator to its answer, batching wait included), ``prepare`` (building,
+rendering and tokenizing a request), ``weights_receive`` (loading a published version), and
+the counts ``prompt_tokens`` and ``generated_tokens``.
 """
 
 from __future__ import annotations
@@ -222,11 +232,19 @@ class ModelServer:
             reasoning_parser=codec.reasoning_parser,
         )
         self.codec.reasoning_parser = self.config.reasoning_parser
+        from gymbridge.metrics.timing import PhaseTimer
+
+        self.timings = PhaseTimer()
+        """The server's own counters (module docstring, "Counters"); :meth:`counters` reads them."""
+        self._batched = self.config.batching and needs_batching(generator)
         self.generator: Generator = (
             BatchingGenerator(
-                generator, max_batch_size=self.config.max_batch_size, window_s=self.config.batch_window_s
+                generator,
+                max_batch_size=self.config.max_batch_size,
+                window_s=self.config.batch_window_s,
+                timer=self.timings,
             )
-            if self.config.batching and needs_batching(generator)
+            if self._batched
             else generator
         )
         if media_policy is None:
@@ -277,6 +295,7 @@ class ModelServer:
             ("POST", "/weights/update"): self._weights_update,
             ("GET", "/weights/status"): self._weights_status,
             ("GET", "/media_cache"): self._media_cache_stats,
+            ("GET", "/counters"): self._counters,
         }
 
     # ------------------------------------------------------------------ lifecycle
@@ -443,9 +462,10 @@ class ModelServer:
         # media fetches, decoding and the processor are blocking: keep them off the event loop, in
         # the server's own bounded pools (a flood of huge requests cannot take the default executor)
         loop = asyncio.get_running_loop()
-        messages = await loop.run_in_executor(self._prepare_pool, build_checked)
-        pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
-        return await loop.run_in_executor(pool, work, messages)
+        with self.timings.time("prepare"):
+            messages = await loop.run_in_executor(self._prepare_pool, build_checked)
+            pool = self._media_pool if any(m.media for m in messages) else self._prepare_pool
+            return await loop.run_in_executor(pool, work, messages)
 
     # ------------------------------------------------------------------ media by content key
 
@@ -511,7 +531,23 @@ class ModelServer:
             raise ContextLengthError(prompt_tokens=at_least, max_model_len=self.config.max_model_len)
 
     async def _generate(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
-        return (await self.generator.generate([inp], sampling))[0]
+        timer = self.timings
+        with timer.time("generate"):
+            if self._batched:  # the batching layer times each batched call as ``compute``
+                gen = (await self.generator.generate([inp], sampling))[0]
+            else:  # a backend batching on its own (vLLM): its time is the requests' time
+                with timer.time("compute"):
+                    gen = (await self.generator.generate([inp], sampling))[0]
+        timer.count("prompt_tokens", len(inp.prompt_token_ids))
+        timer.count("generated_tokens", len(gen.token_ids))
+        return gen
+
+    def counters(self) -> dict[str, float]:
+        """The server's counters now (module docstring, "Counters"): every value only grows."""
+        return self.timings.snapshot()
+
+    async def _counters(self, _request: web.Request) -> web.Response:
+        return _json(self.counters())
 
     # ------------------------------------------------------------------ handlers
 
@@ -703,6 +739,10 @@ class ModelServer:
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
         body = await self._body(request)
+        if body.get("transport", "broadcast") == "shared_memory":
+            return await self._weights_attach_shared(sink, body)
+        if body.get("transport", "broadcast") != "broadcast":
+            raise _BadRequest("'transport' must be 'broadcast' or 'shared_memory'")
         host, port = body.get("host"), body.get("port")
         if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int):
             raise _BadRequest("'host' (string) and 'port' (int) are required")
@@ -735,6 +775,33 @@ class ModelServer:
         self._weight_task = asyncio.create_task(self._run_weight_task("init_group", join()))
         return web.json_response({"status": "joining", "ranks": sink.ranks}, status=202)
 
+    async def _weights_attach_shared(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
+        """``init_group`` with ``transport: shared_memory``: map the trainer's two segments now."""
+        from gymbridge.generation.weights import TensorSpec
+
+        attach = getattr(sink, "attach_shared", None)
+        if not callable(attach):
+            raise _BadRequest(
+                f"this generator ({type(sink).__name__}) cannot load weights from shared memory",
+                kind="WeightSyncError",
+            )
+        segments, nonce, tensors = body.get("segments"), body.get("nonce"), body.get("tensors")
+        if not isinstance(segments, list) or not isinstance(nonce, str) or not isinstance(tensors, list):
+            raise _BadRequest(
+                "shared_memory needs 'segments' (list), 'nonce' (hex string) and 'tensors' (list)"
+            )
+        try:
+            nonce_bytes = bytes.fromhex(nonce)
+        except ValueError as exc:
+            raise _BadRequest("'nonce' must be hex") from exc
+        specs = [TensorSpec.from_json(t) for t in tensors]
+        sink.check(specs)
+        self._weight_error = None
+        self._group_ready = False
+        await asyncio.to_thread(attach, segments, nonce_bytes, specs)
+        self._group_ready = True
+        return _json({"status": "attached", "transport": "shared_memory", "ranks": sink.ranks})
+
     async def _weights_update(self, request: web.Request) -> web.Response:
         from gymbridge.generation.weights import Bucket
 
@@ -747,6 +814,8 @@ class ModelServer:
             await asyncio.wait({self._weight_task}, timeout=timeout_s)
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        if body.get("transport") == "shared_memory":
+            return await self._weights_swap_shared(sink, body)
         if not self._group_ready:
             raise _BadRequest("no weight group: POST /weights/init_group first", status=409, kind="Conflict")
         version = _int_or_none(body, "version")
@@ -766,6 +835,7 @@ class ModelServer:
                 raise
             self._weight_syncs += 1
             self._last_sync_s = seconds
+            self.timings.add("weights_receive", seconds)
             sink.mark_loaded(version, "ok")
 
         self._weight_task = asyncio.create_task(
@@ -773,12 +843,34 @@ class ModelServer:
         )
         return web.json_response({"status": "receiving", "version": version}, status=202)
 
+    async def _weights_swap_shared(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
+        """``update`` with ``transport: shared_memory``: the written segment becomes the weights."""
+        swap = getattr(sink, "swap_shared", None)
+        if not callable(swap) or getattr(sink, "transport", None) != "shared_memory":
+            raise _BadRequest(
+                "no shared-memory segments: POST /weights/init_group with them first",
+                status=409,
+                kind="Conflict",
+            )
+        version = _int_or_none(body, "version")
+        if version is None or version < sink.policy_version:
+            raise _BadRequest(f"'version' must be an int >= the loaded version {sink.policy_version}")
+        segment = _int_or_none(body, "segment")
+        if segment not in (0, 1):
+            raise _BadRequest("'segment' must be 0 or 1")
+        seconds = float(await asyncio.to_thread(swap, version, segment))
+        self._weight_syncs += 1
+        self._last_sync_s = seconds
+        self.timings.add("weights_receive", seconds)
+        return _json({"status": "loaded", "version": version, "transport": "shared_memory"})
+
     async def _weights_status(self, _request: web.Request) -> web.Response:
         sink = self._sink()
         return _json(
             {
                 "policy_version": sink.policy_version,
                 "ranks": sink.ranks,
+                "transport": getattr(sink, "transport", "broadcast"),
                 "group_ready": self._group_ready,
                 "busy": self._weights_busy(),
                 "syncs": self._weight_syncs,

@@ -10,9 +10,13 @@ workers (:class:`~gymbridge.generation.vllm.WeightSyncWorkerExtension`) receive.
   alias of one it does. A :class:`TensorSpec` (name, shape, dtype) describes one entry; both
   sides refuse a layout that does not match their own model with every mismatch listed.
 * **Buckets.** Entries are packed, in state-dict order, into flat buffers of one dtype of at
-  most ``bucket_bytes`` (default 64 MiB; an entry larger than that travels alone). One bucket
-  is materialised at a time on either side, so no process ever holds the weights twice: the
-  extra memory of a sync is one bucket.
+  most ``bucket_bytes`` (default 64 MiB; an entry larger than that travels alone, and the
+  trainer sends entries of at least ``DEFAULT_ALONE_BYTES`` alone too). A bucket of one
+  contiguous entry is sent from, and received into, the tensor itself (no copy). No process
+  ever holds the weights twice: the extra memory of a sync is two bucket buffers per side
+  (:class:`BucketBuffers`, kept between syncs so their pages are not faulted in again), which
+  lets packing bucket ``i + 1`` overlap the broadcast of bucket ``i`` on the sender, and
+  unpacking ``i`` overlap receiving ``i + 1`` on the receiver.
 * **The group.** :func:`open_weight_group` builds a two-member (or larger) process group from
   a ``TCPStore`` (:func:`weight_store`) directly (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA),
   without ``init_process_group``: torch's default group stays free for the trainer's own
@@ -38,14 +42,18 @@ from gymbridge.errors import WeightSyncError
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEFAULT_ALONE_BYTES",
     "DEFAULT_BUCKET_BYTES",
     "Bucket",
+    "BucketBuffers",
     "TensorSpec",
     "WeightGroup",
     "WeightReceiver",
     "WeightSink",
     "WeightTarget",
     "bucket_from_bytes",
+    "bucket_into",
+    "bucket_tensors",
     "bucket_to_bytes",
     "check_layout",
     "dtype_from_name",
@@ -54,12 +62,16 @@ __all__ = [
     "open_weight_group",
     "plan_buckets",
     "raise_on_problems",
+    "single_tensor",
     "weight_store",
 ]
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 """64 MiB: large enough that per-collective latency is amortised, small enough to be an
 afterthought next to the model's own memory."""
+DEFAULT_ALONE_BYTES = 1024 * 1024
+"""1 MiB: entries this large are broadcast on their own, straight from and into the tensors
+(a collective's fixed cost is ~0.1 ms on loopback gloo, a 1 MiB copy about as much)."""
 
 Backend = Literal["gloo", "nccl"]
 GROUP_NAME = "gymbridge-weights"
@@ -154,12 +166,16 @@ def named_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def plan_buckets(
-    named: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    named: Sequence[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    alone_bytes: int | None = None,
 ) -> list[Bucket]:
     """Pack ``named`` into buckets: one dtype each, at most ``bucket_bytes`` unless one entry is larger.
 
     Order is kept within a dtype; a bucket closes when the next entry would overflow it or
-    has another dtype.
+    has another dtype. ``alone_bytes``: an entry of at least that many bytes gets a bucket of
+    its own (sent from and received into the tensor itself, no packing copy on either side).
     """
     if bucket_bytes < 1:
         raise ValueError("bucket_bytes must be >= 1")
@@ -169,6 +185,12 @@ def plan_buckets(
         spec = TensorSpec(name, tuple(tensor.shape), _dtype_name(tensor.dtype))
         size = tensor.numel() * tensor.element_size()
         specs, used = open_by_dtype.get(spec.dtype, ([], 0))
+        if alone_bytes is not None and size >= alone_bytes:
+            if specs:  # closed first: the order within a dtype is kept
+                buckets.append(Bucket(spec.dtype, tuple(specs)))
+                open_by_dtype[spec.dtype] = ([], 0)
+            buckets.append(Bucket(spec.dtype, (spec,)))
+            continue
         if specs and used + size > bucket_bytes:
             buckets.append(Bucket(spec.dtype, tuple(specs)))
             specs, used = [], 0
@@ -222,6 +244,13 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> None:
         """Broadcast ``tensor`` in place from rank 0 to every member (blocking)."""
+        self.wait(self.broadcast_async(tensor, timeout_s=timeout_s))
+
+    def broadcast_async(self, tensor: torch.Tensor, *, timeout_s: float | None = None) -> Any:
+        """Start broadcasting ``tensor`` in place from rank 0; :meth:`wait` on the returned work.
+
+        ``tensor`` must stay untouched until then. Members must start broadcasts in the same order.
+        """
         from torch.distributed import BroadcastOptions
 
         opts = BroadcastOptions()
@@ -230,7 +259,14 @@ class WeightGroup:
         if timeout_s is not None:
             opts.timeout = timedelta(seconds=timeout_s)
         try:
-            self._group.broadcast([tensor], opts).wait()
+            return self._group.broadcast([tensor], opts)
+        except RuntimeError as exc:
+            raise WeightSyncError(f"weight broadcast failed on rank {self.rank}: {exc}") from exc
+
+    def wait(self, work: Any) -> None:
+        """Wait for a :meth:`broadcast_async`; a failure is :class:`WeightSyncError`."""
+        try:
+            work.wait()
         except RuntimeError as exc:
             raise WeightSyncError(f"weight broadcast failed on rank {self.rank}: {exc}") from exc
 
@@ -311,12 +347,47 @@ def loaded_key(version: int) -> str:
 def bucket_tensors(bucket: Bucket, tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One flat ``[numel]`` buffer holding ``tensors`` (the bucket's entries) back to back."""
     flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=device)
+    bucket_into(bucket, tensors, flat)
+    return flat
+
+
+def bucket_into(bucket: Bucket, tensors: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy ``tensors`` (the bucket's entries) back to back into ``flat`` (``[bucket.numel]``)."""
     offset = 0
     for spec, tensor in zip(bucket.specs, tensors, strict=True):
         n = spec.numel
-        flat[offset : offset + n].copy_(tensor.detach().reshape(-1))
+        flat[offset : offset + n].view(tensor.shape).copy_(tensor.detach())
         offset += n
-    return flat
+
+
+class BucketBuffers:
+    """Two reusable flat byte buffers of ``bucket_bytes`` on ``device`` (see the module docstring).
+
+    :meth:`flat` hands out buffer ``i % 2`` viewed as a bucket's dtype and length; a bucket
+    larger than the buffers gets a buffer of its own for that one use.
+    """
+
+    def __init__(self, bucket_bytes: int, device: torch.device) -> None:
+        self.bucket_bytes = bucket_bytes
+        self.device = device
+        self._raw: list[torch.Tensor | None] = [None, None]
+
+    def flat(self, i: int, bucket: Bucket) -> torch.Tensor:
+        dtype = dtype_from_name(bucket.dtype)
+        nbytes = bucket.numel * torch.empty((), dtype=dtype).element_size()
+        if nbytes > self.bucket_bytes:
+            return torch.empty(bucket.numel, dtype=dtype, device=self.device)
+        raw = self._raw[i % 2]
+        if raw is None:
+            raw = self._raw[i % 2] = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.device)
+        return raw[:nbytes].view(dtype)
+
+
+def single_tensor(bucket: Bucket, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor itself when ``bucket`` is one contiguous entry (sent / received with no copy)."""
+    if len(bucket.specs) != 1 or not tensors[0].is_contiguous():
+        return None
+    return tensors[0].detach().view(-1)
 
 
 def bucket_to_bytes(flat: torch.Tensor) -> bytes:
@@ -407,10 +478,17 @@ class WeightReceiver:
 
     ranks = 1
 
-    def __init__(self, target: WeightTarget) -> None:
+    def __init__(self, target: WeightTarget, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.target = target
+        self.bucket_bytes = bucket_bytes
         self.group: WeightGroup | None = None
         self._store: Any = None
+        self._buffers: BucketBuffers | None = None
+        self._shared: Any = None
+        """The :class:`~gymbridge.generation.shared_weights.SharedWeightsReader` (shared-memory sync)."""
+        self._shared_groups: list[list[torch.Tensor]] = []
+        """Per shared spec: every tensor object of the model over its storage (aliases included)."""
+        self.transport = "broadcast"
 
     @property
     def policy_version(self) -> int:
@@ -429,6 +507,7 @@ class WeightReceiver:
     ) -> None:
         self.close()
         device = _model_device(self.target.model)
+        self._buffers = BucketBuffers(self.bucket_bytes, device)
         if backend == "nccl" and device.type != "cuda":
             raise WeightSyncError(f"an nccl weight group needs the model on a GPU; it is on {device}")
         store = weight_store(host, port, world_size=world_size, is_host=False, timeout_s=timeout_s)
@@ -448,17 +527,100 @@ class WeightReceiver:
         started = time.perf_counter()
         own = dict(self.target.model.state_dict())
         device = _model_device(self.target.model)
+        buffers = self._buffers or BucketBuffers(self.bucket_bytes, device)
+        # bucket i + 1 is received while bucket i is unpacked (two buffers); a one-entry bucket is
+        # received straight into the model's tensor (the lock keeps every generation out meanwhile)
+        pending: tuple[Any, Bucket, torch.Tensor | None] | None = None
         with self.target.weights_lock, torch.no_grad():
-            for bucket in buckets:
-                flat = torch.empty(bucket.numel, dtype=dtype_from_name(bucket.dtype), device=device)
-                group.broadcast(flat, timeout_s=timeout_s)
-                for spec, view in unbucket(bucket, flat):
-                    own[spec.name].copy_(view)
-                del flat
+            for i, bucket in enumerate(buckets):
+                direct = single_tensor(bucket, [own[s.name] for s in bucket.specs])
+                flat = direct if direct is not None else buffers.flat(i, bucket)
+                work = group.broadcast_async(flat, timeout_s=timeout_s)
+                if pending is not None:
+                    self._finish(group, own, *pending)
+                pending = (work, bucket, None if direct is not None else flat)
+            if pending is not None:
+                self._finish(group, own, *pending)
             self.target.policy_version = version
         elapsed = time.perf_counter() - started
         logger.info("loaded policy version %d (%d buckets) in %.3fs", version, len(buckets), elapsed)
         return elapsed
+
+    @staticmethod
+    def _finish(
+        group: WeightGroup, own: dict[str, torch.Tensor], work: Any, bucket: Bucket, flat: torch.Tensor | None
+    ) -> None:
+        group.wait(work)
+        if flat is not None:
+            for spec, view in unbucket(bucket, flat):
+                own[spec.name].copy_(view)
+
+    # ------------------------------------------------------------------ shared memory
+
+    def attach_shared(self, names: Sequence[str], nonce: bytes, specs: Sequence[TensorSpec]) -> None:
+        """Map the trainer's two segments (:mod:`~gymbridge.generation.shared_weights`); nothing
+        is swapped yet. Refused for a model off the CPU and for a segment failing the handshake."""
+        from gymbridge.generation.shared_weights import SharedWeightsReader
+
+        raise_on_problems(check_layout(specs, self.target.model))
+        device = _model_device(self.target.model)
+        if device.type != "cpu":
+            raise WeightSyncError(f"shared-memory weight sync needs the model on the CPU; it is on {device}")
+        reader = SharedWeightsReader(names, nonce, specs)
+        with self.target.weights_lock:
+            self.close()
+            by_storage: dict[tuple[int, tuple[int, ...], torch.dtype], list[torch.Tensor]] = {}
+            model = self.target.model
+            for _, tensor in [
+                *model.named_parameters(remove_duplicate=False),
+                *model.named_buffers(remove_duplicate=False),
+            ]:
+                key = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+                same = by_storage.setdefault(key, [])
+                if not any(t is tensor for t in same):
+                    same.append(tensor)
+            own = dict(model.state_dict())
+            groups = []
+            for spec in specs:
+                t = own[spec.name]
+                found = by_storage.get((t.data_ptr(), tuple(t.shape), t.dtype))
+                if not found:
+                    reader.close()
+                    raise WeightSyncError(f"{spec.name}: not a parameter or buffer of the model")
+                groups.append(found)
+            self._shared = reader
+            self._shared_groups = groups
+            self.transport = "shared_memory"
+
+    def swap_shared(self, version: int, segment: int) -> float:
+        """Point the model's weights at ``segment`` (0 or 1) and take ``version``; returns seconds."""
+        reader = self._shared
+        if reader is None:
+            raise WeightSyncError("no shared-memory segments: POST /weights/init_group with them first")
+        if segment not in (0, 1):
+            raise WeightSyncError(f"segment must be 0 or 1, got {segment!r}")
+        started = time.perf_counter()
+        with self.target.weights_lock:
+            for view, tensors in zip(reader.views[segment], self._shared_groups, strict=True):
+                for tensor in tensors:
+                    tensor.data = view
+            self.target.policy_version = version
+        elapsed = time.perf_counter() - started
+        logger.info("loaded policy version %d from shared memory in %.4fs", version, elapsed)
+        return elapsed
+
+    def _detach_shared(self) -> None:
+        """Give the model private copies of its weights again (before another transport writes them)."""
+        if self._shared is None:
+            return
+        with torch.no_grad():
+            for tensors in self._shared_groups:
+                private = tensors[0].data.clone()
+                for tensor in tensors:
+                    tensor.data = private
+        self._shared = None  # the mappings go once no tensor views them
+        self._shared_groups = []
+        self.transport = "broadcast"
 
     def mark_loaded(self, version: int, outcome: str) -> None:
         """Tell the trainer (through the group's store) that ``version`` is loaded (``ok``) or not."""
@@ -470,6 +632,8 @@ class WeightReceiver:
             self.group.close()
             self.group = None
         self._store = None
+        self._buffers = None
+        self._detach_shared()
 
 
 def raise_on_problems(problems: Sequence[str]) -> None:

@@ -4,7 +4,8 @@ Layout (next to :mod:`gymbridge.run.rundir`'s files)::
 
     DIR/rollouts/step_<n>.jsonl   one JSON object per rollout of step n (every group, failed ones too)
     DIR/media/<key>.<ext>         each media item once, named by its content key
-    DIR/charts/*.png              env reward, loss, ratio, grad norm per step; payload bytes per boundary
+    DIR/charts/*.png              env reward, loss, ratio, grad norm per step; payload bytes per boundary;
+                                  timing.png: each step's seconds split by phase (``timing/*``)
     DIR/viewer/index.html         a static page (open it from disk) over viewer/data.js
 
 A rollout record holds ``task_index``, ``rollout_index``, ``reward``, ``advantage`` (``None``
@@ -148,19 +149,30 @@ class RunArtifacts:
                 out.append({"group": g.task_index, "task_index": g.task_index, "failure": dict(failure)})
         return out
 
+    def refresh_due(self, step: int) -> bool:
+        """Whether step ``step`` redraws the charts and the viewer: step 1 and every ``chart_every``
+        (their cost grows with the run: every step's would be quadratic)."""
+        return step == 1 or step % self.chart_every == 0
+
     def record_step(
-        self, step: int, groups: Iterable[GroupResult], records: Sequence[Mapping[str, Any]]
+        self,
+        step: int,
+        groups: Iterable[GroupResult],
+        records: Sequence[Mapping[str, Any]],
+        *,
+        refresh: bool | None = None,
     ) -> None:
-        """Write step ``step``'s rollouts; redraw charts every ``chart_every`` steps; refresh the viewer."""
+        """Write step ``step``'s rollouts; with ``refresh`` (default: :meth:`refresh_due`) redraw the
+        charts and refresh the viewer."""
         rows = self.rollout_records(groups)
         write_atomic(
             self.path / "rollouts" / f"step_{step}.jsonl",
             [orjson.dumps(r, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n" for r in rows],
         )
         self._steps = [s for s in self._steps if s["step"] != step] + [{"step": step, "rollouts": rows}]
-        if step % self.chart_every == 0 or step == 1:
+        if self.refresh_due(step) if refresh is None else refresh:
             self.draw_charts(records)
-        self.write_viewer(records)
+            self.write_viewer(records)
 
     def finish(self, records: Sequence[Mapping[str, Any]]) -> None:
         self.draw_charts(records)
@@ -168,7 +180,8 @@ class RunArtifacts:
 
     # ------------------------------------------------------------------ charts
     def draw_charts(self, records: Sequence[Mapping[str, Any]]) -> list[Path]:
-        """One PNG per :data:`CHARTS` entry plus ``payload.png``; ``[]`` without matplotlib."""
+        """One PNG per :data:`CHARTS` entry plus ``payload.png`` and ``timing.png``; ``[]`` without
+        matplotlib."""
         try:
             import matplotlib
 
@@ -207,7 +220,32 @@ class RunArtifacts:
         fig.tight_layout()
         written.append(self._save(fig, "payload"))
         plt.close(fig)
+        written.append(self._timing_chart(plt, records))
         return written
+
+    def _timing_chart(self, plt: Any, records: Sequence[Mapping[str, Any]]) -> Path:
+        """``timing.png``: each step's phases stacked (``timing/*``, :mod:`gymbridge.run.timing`)."""
+        from gymbridge.run.timing import PHASES
+
+        timed = [r for r in records if "timing/other" in r]
+        steps = [int(r["step"]) for r in timed]
+        fig, ax = plt.subplots(figsize=(7, 3.6), dpi=100)
+        shown = [p for p in PHASES if any(float(r.get(f"timing/{p}", 0.0)) for r in timed)]
+        if steps and shown:
+            # ``other`` can be slightly negative (rounding): stacked at 0, it is in the legend's total
+            layers = [[max(0.0, float(r.get(f"timing/{p}", 0.0))) for r in timed] for p in shown]
+            colors = plt.get_cmap("tab20").colors
+            ax.stackplot(steps, layers, labels=shown, colors=colors[: len(shown)], step="mid")
+            step_s = [float(r["step_s"]) for r in timed]
+            ax.plot(steps, step_s, color="black", lw=1, drawstyle="steps-mid", label="step_s")
+            ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        ax.set_title("step time by phase (s)")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = self._save(fig, "timing")
+        plt.close(fig)
+        return path
 
     def _save(self, fig: Any, stem: str) -> Path:
         import io

@@ -9,11 +9,13 @@ viewer), the W&B / TensorBoard reporters, the console.
 
 Invariant: callbacks read the report and the record, never the bridge's or the trainer's state;
 a callback's ``on_step`` runs off the event loop (in a worker thread), so rollouts in flight keep
-going while artifacts are written.
+going while it runs; the step waits for it (its seconds are the next step's ``timing/artifacts``),
+so :class:`ArtifactsCallback` hands its writing to a thread of its own and returns.
 """
 
 from __future__ import annotations
 
+import collections
 import sys
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
@@ -64,9 +66,22 @@ class MetricsFileCallback(Callback):
 
 
 class ArtifactsCallback(Callback):
-    """``rollouts/step_<n>.jsonl`` and the viewer every step, ``charts/`` every ``chart_every`` steps."""
+    """``rollouts/step_<n>.jsonl`` every step, ``charts/`` and the viewer at step 1, every
+    ``chart_every`` steps and at the end.
+
+    A writer thread of its own does the writing: ``on_step`` queues the step and returns, so the
+    loop goes on while the files are written, in step order. A refresh of the charts and viewer
+    that falls due while the previous one is still queued or running is skipped (the next one,
+    or the end, draws every step). At most :attr:`backlog` steps wait for the writer: beyond
+    that ``on_step`` waits (visibly, in the next step's ``timing/artifacts``). A writer's error
+    is raised at the next ``on_step`` or at the end.
+    """
+
+    backlog = 4
 
     def on_setup(self, run: GRPORun) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from gymbridge.run.artifacts import RunArtifacts
 
         self._say = run.say
@@ -74,14 +89,40 @@ class ArtifactsCallback(Callback):
         self._artifacts = RunArtifacts(
             run.run_dir.path, decode=run.model.tokenizer.decode, chart_every=run.config.output.chart_every
         )
+        self._writer: Any = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymbridge-artifacts")
+        self._queued: collections.deque[Any] = collections.deque()
+        self._refresh: Any = None
+
+    def _settle(self, keep: int) -> None:
+        """Raise a finished write's error; wait until at most ``keep`` writes are queued."""
+        while self._queued and (self._queued[0].done() or len(self._queued) > keep):
+            self._queued.popleft().result()
 
     def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
+        self._settle(self.backlog - 1)
         self._records.append(dict(record))
-        self._artifacts.record_step(report.step, report.batch.groups, self._records)
+        refresh = self._artifacts.refresh_due(report.step) and (self._refresh is None or self._refresh.done())
+        job = self._writer.submit(
+            self._artifacts.record_step,
+            report.step,
+            report.batch.groups,
+            list(self._records),
+            refresh=refresh,
+        )
+        self._queued.append(job)
+        if refresh:
+            self._refresh = job
 
     def on_end(self, summary: RunSummary) -> None:
+        self._settle(0)
         self._artifacts.finish(self._records)
         self._say(f"charts: {self._artifacts.charts_path}/\nviewer: {self._artifacts.viewer_path}")
+
+    def close(self) -> None:
+        writer = getattr(self, "_writer", None)
+        if writer is not None:
+            writer.shutdown(wait=True)  # every file is written whole (atomically) or not at all
+            self._writer = None
 
 
 class ReportersCallback(Callback):
@@ -148,11 +189,14 @@ class ConsoleCallback(Callback):
             self._bar = None
 
 
-def default_callbacks(*, out: IO[str] | None = None, progress: bool = False) -> list[Callback]:
-    """What ``gymbridge train`` reports with (module docstring)."""
+def default_callbacks(
+    *, out: IO[str] | None = None, progress: bool = False, artifacts: bool = True
+) -> list[Callback]:
+    """What ``gymbridge train`` reports with (module docstring); ``artifacts=False``
+    (``output.artifacts: false``) leaves out rollouts, charts and viewer."""
     return [
         MetricsFileCallback(),
-        ArtifactsCallback(),
+        *([ArtifactsCallback()] if artifacts else []),
         ReportersCallback(),
         ConsoleCallback(out, progress=progress),
     ]

@@ -183,7 +183,11 @@ class OutputConfig(StrictModel):
     """The run directory (config, dataset, metrics, failures, checkpoints, charts, rollouts, viewer);
     default ``runs/<env>-<UTC timestamp>``."""
     chart_every: int = Field(5, ge=1)
-    """Redraw ``charts/`` every N steps (and at the end); rollouts and the viewer update every step."""
+    """Redraw ``charts/`` and the viewer every N steps (and at step 1 and the end); rollout files are
+    written every step. A writer thread does it all, off the loop (``timing/artifacts``)."""
+    artifacts: bool = True
+    """Write ``rollouts/``, ``media/``, ``charts/`` and the viewer (``false``: ``metrics.jsonl``,
+    checkpoints and the console only; ``benchmarks/step_overhead.py`` compares both)."""
     report_to: list[ReportTo] = Field(default_factory=list)
     """Also send each step's metrics record to ``wandb`` / ``tensorboard`` (optional extras)."""
     payload_metrics: bool = True

@@ -10,9 +10,10 @@ every optimizer step:
   generation), served by an in-process model server on the Gym path; weights are copied in
   by :class:`~gymbridge.trainer.weight_sync.InProcessPublisher`;
 * ``placement: process`` — ``gymbridge model serve --tiny --enable-weight-updates`` as a
-  child process (:mod:`gymbridge.run.generator_process`), weights broadcast by
-  :class:`~gymbridge.trainer.weight_sync.DistributedPublisher`. The Gym path only: native
-  rollouts call a generator object in this process.
+  child process (:mod:`gymbridge.run.generator_process`), weights published by
+  :class:`~gymbridge.trainer.weight_sync.DistributedPublisher` through shared memory or a
+  torch.distributed broadcast (``weight_transport``). The Gym path only: native rollouts call
+  a generator object in this process.
 
 ``publish_weights: false`` leaves the generator at the step-0 weights, to show what a missing
 weight sync does (the trainer's drift guard fails the run). Every resource is registered on
@@ -51,6 +52,11 @@ class GeneratorConfig(StrictModel):
     at the step-0 weights (what a forgotten weight sync looks like: the drift guard fails)."""
     bucket_mb: int = Field(64, ge=1)
     """Largest flat buffer of one broadcast, MiB (``process``)."""
+    weight_transport: Literal["auto", "broadcast", "shared_memory"] = "auto"
+    """How the weights reach the child (``process``): ``shared_memory`` (two ``/dev/shm`` segments,
+    one copy, no socket; this host, CPU models), ``broadcast`` (torch.distributed), or ``auto``:
+    shared memory when the child is on this host and it can be set up, else the broadcast
+    (:mod:`gymbridge.trainer.weight_sync`)."""
     sync_timeout_s: float = Field(120.0, gt=0)
     """Bound on joining the weight group, each broadcast and each control call (``process``)."""
     startup_timeout_s: float = Field(180.0, gt=0)
@@ -74,6 +80,8 @@ class GeneratorHandle:
     """The child model server's pid (``placement: process``)."""
     version: int = -1
     """The last published policy version (-1: none yet)."""
+    server: Any | None = None
+    """The in-process :class:`~gymbridge.generation.server.ModelServer` (``None``: none in this process)."""
 
     def publish(self, model: Any, version: int) -> float:
         """Publish ``model`` as ``version`` (when publication is on and it is new); returns seconds."""
@@ -131,6 +139,7 @@ async def start_generator(
     generator = HFGenerator(build(model_seed), processor, max_model_len=max_model_len, model_name=model_name)
     publisher = InProcessPublisher(generator) if cfg.publish_weights else None
     url: str | None = None
+    server = None
     if serve:
         from gymbridge.bridge import PromptSeededGenerator
         from gymbridge.generation.server import ModelServer, ModelServerConfig
@@ -145,7 +154,7 @@ async def start_generator(
         )
         url = await server.start(port=port)
         stack.push_async_callback(server.stop)
-    return GeneratorHandle("in_process", generator, url, publisher)
+    return GeneratorHandle("in_process", generator, url, publisher, server=server)
 
 
 async def _start_process(
@@ -192,7 +201,10 @@ async def _start_process(
     publisher = None
     if cfg.publish_weights:
         publisher = DistributedPublisher(
-            child.url, bucket_bytes=cfg.bucket_mb * 1024 * 1024, timeout_s=cfg.sync_timeout_s
+            child.url,
+            bucket_bytes=cfg.bucket_mb * 1024 * 1024,
+            timeout_s=cfg.sync_timeout_s,
+            transport=cfg.weight_transport,
         )
         stack.callback(publisher.close)  # LIFO: the group closes before the child stops
     return GeneratorHandle("process", None, child.url, publisher, pid=child.pid)

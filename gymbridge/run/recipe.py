@@ -28,7 +28,10 @@
 the update in a worker thread (the event loop, the servers and in-flight rollouts keep going),
 publishes the new weights when the optimizer stepped, hands a
 :class:`~gymbridge.run.report.StepReport` to every callback and writes a checkpoint every
-``checkpoint.every`` steps. A batch that cannot train (no loss token, or zero advantage on every
+``checkpoint.every`` steps. Each report's ``timing`` splits the step's wall seconds into phases
+(:mod:`gymbridge.run.timing`: waiting for rollouts, generation, environment, the bridge's own
+work, the update, the publication, the previous step's reporting and checkpoint, ``other``);
+the end summary prints their medians. A batch that cannot train (no loss token, or zero advantage on every
 row without a KL term) does not step the optimizer, keeps the policy version and publishes
 nothing; its record says ``skipped``.
 
@@ -53,6 +56,7 @@ from gymbridge.run.callbacks import Callback, default_callbacks
 from gymbridge.run.config import RunConfig
 from gymbridge.run.report import RunSummary, StepReport, group_rewards, payload_delta
 from gymbridge.run.rundir import RunDir, default_run_dir
+from gymbridge.run.timing import StepCounters, median_split, split_step
 
 if TYPE_CHECKING:
     from types import TracebackType
@@ -69,6 +73,9 @@ __all__ = ["GRPORun", "ResumeMode", "train"]
 ResumeMode = Literal["never", "must", "allow"]
 """``never``: a fresh run; ``must``: continue from the newest checkpoint or refuse; ``allow``: continue
 when there is a checkpoint, else start afresh in the same directory."""
+
+_TRANSPORT_NAMES = {"broadcast": "torch.distributed broadcast", "shared_memory": "shared memory"}
+"""The placement line's words for each ``DistributedPublisher.transport``."""
 
 
 class GRPORun:
@@ -87,7 +94,9 @@ class GRPORun:
         """``callbacks`` (default: :func:`~gymbridge.run.callbacks.default_callbacks`) get every report."""
         self.config = config
         self.callbacks = (
-            list(callbacks) if callbacks is not None else default_callbacks(out=out, progress=progress)
+            list(callbacks)
+            if callbacks is not None
+            else default_callbacks(out=out, progress=progress, artifacts=config.output.artifacts)
         )
         self.resume = resume
         self.summary = RunSummary()
@@ -114,6 +123,12 @@ class GRPORun:
         self._publish: Callable[[int], float] | None = None
         """Hands the trainer's weights to the generator as a version (``None``: publication off)."""
         self._model_url: str | None = None
+        self.counters = StepCounters()
+        """The model server's and the agent's counters (:mod:`gymbridge.run.timing`; none from parts)."""
+        self._window: float | None = None
+        """When the current step's wall time began: the moment the previous step's record was made."""
+        self._tail = {"artifacts": 0.0, "checkpoint": 0.0}
+        """The previous step's reporting and checkpoint seconds (counted in the next step's split)."""
 
     @classmethod
     def from_parts(
@@ -361,6 +376,8 @@ class GRPORun:
         )
         self.summary.urls = dict(self.services.urls)
         handle = self.services.generator
+        self.counters = self.services.step_counters()
+        self._stack.push_async_callback(self.counters.aclose)
         self.summary.model_server_pid = handle.pid
         self._model_url = handle.model_url
         if handle.publisher is not None:
@@ -374,7 +391,8 @@ class GRPORun:
         if handle.publisher is None:
             self.say(f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)")
         else:
-            how = "copy" if handle.placement == "in_process" else "torch.distributed broadcast"
+            transport = str(getattr(handle.publisher, "transport", None))  # set by the v0 publication
+            how = "copy" if handle.placement == "in_process" else _TRANSPORT_NAMES.get(transport, transport)
             self.say(
                 f"generator: {where}; weights published after every step ({how}); "
                 f"v{self.version} in {sync_s:.3f}s"
@@ -441,8 +459,10 @@ class GRPORun:
         if not self._set_up:
             raise RuntimeError("GRPORun.step() before setup()")
         cfg = self.config
-        started = time.perf_counter()
+        started = self._window if self._window is not None else time.perf_counter()
+        await self.counters.start()
         payload_before = self.meter.report()
+        asked = time.perf_counter()
         try:
             got = await self.bridge.next_batch(self.version)
         except StopAsyncIteration:
@@ -457,11 +477,14 @@ class GRPORun:
             if self._publish is not None:
                 sync_s = await asyncio.to_thread(self._publish, self.version)
                 published = True
+        synced = time.perf_counter()
         metrics = replace(metrics, policy_version=self.version, weight_sync_s=sync_s)
         env_mean, bonus_mean = group_rewards(got.groups)
         step = self.next_step
         self.next_step += 1
-        synced = time.perf_counter()
+        model_delta, agent_delta = await self.counters.delta()
+        ended = time.perf_counter()
+        self._window = ended
         report = StepReport(
             step=step,
             total_steps=cfg.steps,
@@ -470,23 +493,36 @@ class GRPORun:
             policy_version=self.version,
             published=published,
             weight_sync_s=sync_s,
-            step_s=synced - started,
+            step_s=ended - started,
             env_reward_mean=env_mean,
             shaping_reward_mean=bonus_mean,
             shaped=self.shaping is not None,
             payload=payload_delta(payload_before, self.meter.report()),
-            timing={
-                "batch": batched - started,
-                "train": trained - batched,
-                "publish": synced - trained,
-                "other": 0.0,
-            },
+            timing=split_step(
+                step_s=ended - started,
+                batch_wait_s=batched - asked,
+                batch=got.timings,
+                model=model_delta,
+                agent=agent_delta,
+                forward_backward_s=metrics.forward_backward_s,
+                optimizer_s=metrics.optimizer_s,
+                update_s=trained - batched,
+                weight_sync_s=synced - trained,
+                artifacts_s=self._tail["artifacts"],
+                checkpoint_s=self._tail["checkpoint"],
+            ),
             dp=self._dp_keys(),
         )
         record = report.record()
+        reporting = time.perf_counter()
         await asyncio.to_thread(self._report, report, record)
+        checkpointing = time.perf_counter()
         if step == cfg.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
             await self.save_checkpoint(step)
+        self._tail = {
+            "artifacts": checkpointing - reporting,
+            "checkpoint": time.perf_counter() - checkpointing,
+        }
         return report
 
     def _report(self, report: StepReport, record: dict[str, Any]) -> None:
@@ -554,6 +590,9 @@ class GRPORun:
                 )
             else:
                 self.say(f"\nenv reward {first:.3f} -> {last:.3f} over {len(s.steps)} steps")
+        split = median_split(s.records)
+        if split:
+            self.say("\n" + split)
         if cfg.output.payload_metrics:
             s.payload_table = self.meter.table()
             self.say("\npayload per boundary (pickle-5 bytes; ratio = logical / physical media bytes):")

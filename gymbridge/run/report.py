@@ -8,8 +8,8 @@ it to every callback; nothing downstream reads counters off the bridge or the tr
 there.
 
 Invariants: a record holds every :class:`~gymbridge.trainer.StepMetrics` field as is, plus the
-run's keys below; ``timing`` holds the step's phases in seconds, and they add up to ``step_s``
-(``other`` is the rest).
+run's keys below; the ``timing/<phase>`` keys hold the step's phases in seconds
+(:mod:`gymbridge.run.timing`), and they add up to ``step_s`` (``timing/other`` is the rest).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class StepReport:
     """Whether new weights went to the generator after this step."""
     weight_sync_s: float
     step_s: float
-    """Wall seconds of the whole step: waiting for the batch, training, publishing, reporting."""
+    """Wall seconds of the step: from the moment the previous step's record was made (the first
+    step: from its call) to the moment this one's was (:mod:`gymbridge.run.timing`)."""
     env_reward_mean: float
     shaping_reward_mean: float
     shaped: bool
@@ -81,7 +82,7 @@ class StepReport:
     payload: dict[str, dict[str, int]] = field(default_factory=dict)
     """Bytes each boundary recorded during this step (:func:`payload_delta`)."""
     timing: dict[str, float] = field(default_factory=dict)
-    """Seconds per phase of the step (``batch``, ``train``, ``publish``, ``checkpoint``, ``other``)."""
+    """Seconds per phase of the step (:data:`gymbridge.run.timing.PHASES`, summing to ``step_s``)."""
     dp: dict[str, Any] = field(default_factory=dict)
     """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
 
@@ -99,7 +100,7 @@ class StepReport:
         ``groups_zero_variance_dropped`` / ``zero_variance_task_indices`` (groups dynamic
         sampling left out, each also in ``failures.jsonl``), ``staleness_max`` (the largest
         ``policy version - oldest turn version`` among the trained groups), ``payload`` and
-        ``timing``.
+        one ``timing/<phase>`` key per phase of :attr:`timing`.
         """
         groups = self.batch.groups
         keys: set[str] = set()
@@ -128,7 +129,7 @@ class StepReport:
                 "weight_sync_s": self.weight_sync_s,
                 "step_s": self.step_s,
                 "payload": {k: dict(v) for k, v in self.payload.items()},
-                "timing": dict(self.timing),
+                **{f"timing/{phase}": seconds for phase, seconds in self.timing.items()},
                 **self.dp,
             }
         )

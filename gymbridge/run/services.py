@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gymbridge.run.config import RunConfig
     from gymbridge.run.model import RunModel
     from gymbridge.run.placement import GeneratorHandle
+    from gymbridge.run.timing import StepCounters
 
 __all__ = ["Services", "start_services"]
 
@@ -45,6 +46,26 @@ class Services:
     """``host:port`` of the run's media store (media by reference), trusted by bridge and model server."""
     notes: list[str] = field(default_factory=list)
     """Lines for the console (what is on, what was left off and why)."""
+    agent: Any | None = None
+    """The run's own :class:`~gymbridge.server.SimpleAgent` (``None``: native path, or the user's agent)."""
+
+    def step_counters(self) -> StepCounters:
+        """The model server's and the agent's counters for each step's split (:mod:`gymbridge.run.timing`):
+        read in process where they run here, over ``GET /counters`` where they do not."""
+        from gymbridge.run.timing import CounterSource, StepCounters
+
+        handle = self.generator
+        model = None
+        if handle.server is not None:
+            model = CounterSource("model server", local=handle.server.counters)
+        elif handle.model_url is not None:
+            model = CounterSource("model server", url=handle.model_url)
+        agent = None
+        if self.agent is not None:
+            agent = CounterSource("agent", local=self.agent.counters)
+        elif "agent" in self.urls:
+            agent = CounterSource("agent", url=self.urls["agent"])
+        return StepCounters(model, agent)
 
 
 def _policy_in_dtype(factory: Callable[[int], Any], dtype: torch.dtype, seed: int) -> Any:
@@ -111,6 +132,7 @@ async def start_services(
         media_hosts=media_hosts,
     )
     source: Any
+    agent: Any = None
     if native:
         from gymbridge.bridge import NativeRollouts
 
@@ -169,4 +191,4 @@ async def start_services(
         source = GymRollouts(client, deadline_s=cfg.rollout.deadline_s, meter=meter, referencer=referencer)
         urls.update(model=model_url, agent=agent_url)
     stack.push_async_callback(source.aclose)
-    return Services(source, handle, urls, media_hosts, notes)
+    return Services(source, handle, urls, media_hosts, notes, agent=agent)

@@ -84,6 +84,12 @@ Behaviour (stock Gym parity, with its known faults fixed):
 
 ``/run`` runs the loop in-process where stock simple_agent calls its own
 ``/v1/responses`` over HTTP: same items, one hop fewer.
+
+Counters (:meth:`SimpleAgent.counters`, ``GET /counters``; :class:`~gymbridge.metrics.PhaseTimer`
+keys, monotone): every outbound call is timed by what it is, HTTP included, as the agent waits
+for it: ``env_seed`` (``seed_session`` / ``reset``), ``env_tool``, ``env_step``, ``env_verify``,
+``env_other`` (``close``, ``aggregate_metrics``), ``model`` (each model call); ``run`` is each
+whole ``/run``.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ from aiohttp import web
 
 from gymbridge.errors import EnvError, EnvFaultError, EnvServerError, EnvTimeoutError, ProtocolError
 from gymbridge.faults import env_fault, masked_result, status_fault_kind, wrapped_client_error
+from gymbridge.metrics.timing import PhaseTimer
 from gymbridge.server._base import (
     ERROR_HEADER,
     ROLLOUT_ID,
@@ -247,7 +254,10 @@ class SimpleAgent(GymServer):
         self._model_keys: set[str] = set()
         """Media-reference keys already counted as physical at ``model_request``."""
         self._client: aiohttp.ClientSession | None = None
+        self.timings = PhaseTimer()
+        """Seconds per phase as this agent sees them (module docstring, "Counters")."""
         self.add_route("POST", "/run", self._run_endpoint)
+        self.add_route("GET", "/counters", self._counters_endpoint)
         self.add_route("POST", "/v1/responses", self._responses_endpoint)
         self.add_route("POST", f"{TOKEN_CAPTURE_SEGMENT}/v1/responses", self._responses_endpoint)
         self.add_route("POST", "/aggregate_metrics", self._aggregate_endpoint)
@@ -286,14 +296,22 @@ class SimpleAgent(GymServer):
         caller_cookies = {k: v for k, v in ctx.request.cookies.items() if k != self.cookie_name}
         try:
             route = self._route(ctx, row)
-            if self.gymnasium:
-                result = await self._run_gymnasium(row, caller_cookies, route)
-            else:
-                result = await self._run_tools(row, caller_cookies, route)
+            with self.timings.time("run"):
+                if self.gymnasium:
+                    result = await self._run_gymnasium(row, caller_cookies, route)
+                else:
+                    result = await self._run_tools(row, caller_cookies, route)
         except _UpstreamFailure as exc:
             logger.warning("%s: rollout failed: %s", self.cookie_name, exc.message)
             return json_response(exc.message, status=exc.status, headers=exc.headers)
         return json_response(result)
+
+    def counters(self) -> dict[str, float]:
+        """The agent's counters now (module docstring, "Counters"): every value only grows."""
+        return self.timings.snapshot()
+
+    async def _counters_endpoint(self, _ctx: RequestContext) -> web.StreamResponse:
+        return json_response(self.counters())
 
     async def _responses_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
         """Stock ``/v1/responses``: the model -> tools loop on a create-params body (no seed, no verify).
@@ -341,10 +359,13 @@ class SimpleAgent(GymServer):
         return web.Response(body=reply.body, status=reply.status, content_type="application/json")
 
     # --------------------------------------------------------------- calls
-    async def _call(self, url: str, payload: Any, timeout_s: float, cookies: dict[str, str]) -> Reply:
-        """One outbound call; transport faults and deadlines end the rollout (502 / 504)."""
+    async def _call(
+        self, url: str, payload: Any, timeout_s: float, cookies: dict[str, str], phase: str = "env_other"
+    ) -> Reply:
+        """One outbound call timed as ``phase``; transport faults and deadlines end the rollout (502/504)."""
         try:
-            return await post_json(self.client, url, payload, timeout_s=timeout_s, cookies=cookies)
+            with self.timings.time(phase):
+                return await post_json(self.client, url, payload, timeout_s=timeout_s, cookies=cookies)
         except EnvTimeoutError as exc:
             raise _UpstreamFailure(
                 504, f"Hit a timeout in {self.cookie_name} calling an inner server: {exc}"
@@ -406,7 +427,7 @@ class SimpleAgent(GymServer):
         if self.meter is not None and self.meter.enabled:
             self._meter_model_request(body)
         url = f"{self.model_url}{route.model('/v1/responses')}"
-        reply = await self._call(url, body, self.model_timeout_s, cookies)
+        reply = await self._call(url, body, self.model_timeout_s, cookies, "model")
         cookies.update(reply.cookies)
         response = self._require_ok(reply)
         if not isinstance(response, dict) or not isinstance(response.get("output"), list):
@@ -424,6 +445,7 @@ class SimpleAgent(GymServer):
             row,
             self.env_timeout_s,
             resources_cookies,
+            "env_seed",
         )
         self._require_ok(seed)
         resources_cookies.update(seed.cookies)
@@ -437,6 +459,7 @@ class SimpleAgent(GymServer):
             verify_body,
             self.env_timeout_s,
             {**caller, **resources_cookies, **model_cookies},
+            "env_verify",
         )
         result = self._require_ok(reply)
         if not isinstance(result, dict) or not isinstance(result.get("reward"), (int, float)):
@@ -485,9 +508,10 @@ class SimpleAgent(GymServer):
         path = "/" + name
         url = f"{self.resources_url}{route.resources(path)}"
         try:
-            reply = await post_json(
-                self.client, url, arguments, timeout_s=self.tool_timeout_s, cookies=cookies
-            )
+            with self.timings.time("env_tool"):
+                reply = await post_json(
+                    self.client, url, arguments, timeout_s=self.tool_timeout_s, cookies=cookies
+                )
         except EnvError as exc:
             raise env_fault(path, tool=name, error=exc, server=self.resources_url) from exc
         if _session_lost(reply):
@@ -514,7 +538,11 @@ class SimpleAgent(GymServer):
             raise _UpstreamFailure(422, str(exc)) from None
         env_cookies = dict(caller)
         reset = await self._call(
-            f"{self.resources_url}{route.resources('/reset')}", row, self.env_timeout_s, env_cookies
+            f"{self.resources_url}{route.resources('/reset')}",
+            row,
+            self.env_timeout_s,
+            env_cookies,
+            "env_seed",
         )
         reset_data = self._require_ok(reset)
         env_cookies.update(reset.cookies)
@@ -531,13 +559,14 @@ class SimpleAgent(GymServer):
                 if episode.context_exhausted:
                     break
                 try:
-                    reply = await post_json(
-                        self.client,
-                        f"{self.resources_url}{route.resources('/step')}",
-                        step_body,
-                        timeout_s=self.env_timeout_s,
-                        cookies=env_cookies,
-                    )
+                    with self.timings.time("env_step"):
+                        reply = await post_json(
+                            self.client,
+                            f"{self.resources_url}{route.resources('/step')}",
+                            step_body,
+                            timeout_s=self.env_timeout_s,
+                            cookies=env_cookies,
+                        )
                 except EnvError as exc:
                     raise env_fault("/step", error=exc, server=self.resources_url) from exc
                 if status_fault_kind(reply.status) is not None:
@@ -559,13 +588,14 @@ class SimpleAgent(GymServer):
         finally:
             if episode.supports_close:
                 try:
-                    await post_json(
-                        self.client,
-                        f"{self.resources_url}{route.resources('/close')}",
-                        {},
-                        timeout_s=self.env_timeout_s,
-                        cookies=env_cookies,
-                    )
+                    with self.timings.time("env_other"):
+                        await post_json(
+                            self.client,
+                            f"{self.resources_url}{route.resources('/close')}",
+                            {},
+                            timeout_s=self.env_timeout_s,
+                            cookies=env_cookies,
+                        )
                 except EnvError:
                     logger.exception("%s: closing the environment failed", self.cookie_name)
         return episode.result()

@@ -360,6 +360,11 @@ class StepMetrics:
     """The learning rate of this step's update (``GRPOConfig.lr_at``); 0.0 when no update ran."""
     skipped: SkipReason | None = None
     """Why the optimizer was not stepped (:func:`skip_reason`); ``None``: it was."""
+    forward_backward_s: float = 0.0
+    """Seconds of this step's forward and backward passes (every micro-batch, the reference's
+    forward included); with data parallelism, the slowest part's."""
+    optimizer_s: float = 0.0
+    """Seconds of the update itself: gradient clipping and the optimizer step (0.0 when skipped)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -397,6 +402,8 @@ class GradientResult:
     """Sum over this part's loss tokens of the KL estimator to the reference."""
     outside_top_p_tokens: int = 0
     """Loss tokens outside the trainer's top-p nucleus."""
+    forward_backward_s: float = 0.0
+    """Seconds this part's forward and backward passes took."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -837,6 +844,7 @@ class GRPOTrainer:
         own), so gradients of parts add up to the whole's. ``batch`` is used as given:
         :meth:`step` calls :meth:`prepare` on the whole batch first.
         """
+        started = time.perf_counter()
         cfg = self.config
         total = int(batch.loss_mask.sum()) if total_loss_tokens is None else int(total_loss_tokens)
         rows = loss_rows(batch.loss_mask) if total_loss_rows is None else int(total_loss_rows)
@@ -918,6 +926,7 @@ class GRPOTrainer:
             encoder_dedup=encoder.deduplicated,
             ref_kl_sum=ref_kl_sum,
             outside_top_p_tokens=outside,
+            forward_backward_s=time.perf_counter() - started,
         )
 
     def check_drift(self, first: GradientResult) -> None:
@@ -965,8 +974,18 @@ class GRPOTrainer:
         res = self.compute_gradients(batch)
         self.check_drift(res)
         lr = self.config.lr_at(self.steps + 1)
+        updating = time.perf_counter()
         norm = self.apply_gradients(res.grads)
-        return summarize(batch, [res], norm, time.perf_counter() - started, truncated_masked=truncated, lr=lr)
+        optimizer_s = time.perf_counter() - updating
+        return summarize(
+            batch,
+            [res],
+            norm,
+            time.perf_counter() - started,
+            truncated_masked=truncated,
+            lr=lr,
+            optimizer_s=optimizer_s,
+        )
 
 
 def log_skipped_step(batch: TrainBatch, reason: SkipReason) -> None:
@@ -993,8 +1012,11 @@ def summarize(
     truncated_masked: int = 0,
     lr: float = 0.0,
     skipped: SkipReason | None = None,
+    optimizer_s: float = 0.0,
 ) -> StepMetrics:
-    """Step metrics from the gradient results of a batch's parts (``lr``: the update's learning rate).
+    """Step metrics from the gradient results of a batch's parts (``lr``: the update's learning rate,
+    ``optimizer_s``: the seconds ``apply_gradients`` took; parts run side by side, so the step's
+    forward/backward seconds are the slowest part's).
 
     A skipped step (no parts) still counts the batch's loss tokens; its ratios are 1 (nothing moved)."""
     tokens = sum(p.loss_tokens for p in parts) if parts else int(batch.loss_mask.sum())
@@ -1032,4 +1054,6 @@ def summarize(
         top_p_outside_fraction=sum(p.outside_top_p_tokens for p in parts) / max(tokens, 1),
         lr=lr,
         skipped=skipped,
+        forward_backward_s=max((p.forward_backward_s for p in parts), default=0.0),
+        optimizer_s=optimizer_s,
     )

@@ -391,7 +391,15 @@ class RayDPTrainer:
             self.trainer.model.load_state_dict(weights)
         self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
-        return summarize(batch, parts, norm, time.perf_counter() - started, truncated_masked=truncated, lr=lr)
+        return summarize(
+            batch,
+            parts,
+            norm,
+            time.perf_counter() - started,
+            truncated_masked=truncated,
+            lr=lr,
+            optimizer_s=self.last_weights_s,  # the workers' updates and rank 0's weights back here
+        )
 
     def param_digests(self) -> list[str]:
         """The driver's parameter digest followed by every worker's (all equal when in sync)."""

@@ -12,11 +12,22 @@ Two implementations:
 * :class:`DistributedPublisher` (``generator.placement: process``): the generator is a model
   server in another process. Control goes over the server's HTTP routes
   (``POST /weights/init_group``, ``POST /weights/update``; refused unless the server was
-  started with ``--enable-weight-updates``); the tensors go over a private torch.distributed
-  group (gloo on CPU, NCCL on CUDA; :mod:`gymbridge.generation.weights`) as broadcasts of
-  bounded flat buckets, one bucket in memory at a time. The server answers an update with
-  202 once it has checked the layout and is waiting for the buckets, and marks the version
-  loaded in the group's store; :meth:`DistributedPublisher.publish` returns after that mark.
+  started with ``--enable-weight-updates``). The tensors travel one of two ways
+  (``transport``):
+
+  - ``broadcast``: a private torch.distributed group (gloo on CPU, NCCL on CUDA;
+    :mod:`gymbridge.generation.weights`), as broadcasts of bounded flat buckets, packing the
+    next bucket while the previous one is on the wire. The server answers an update with
+    202 once it has checked the layout and is waiting for the buckets, and marks the
+    version loaded in the group's store; :meth:`DistributedPublisher.publish` returns after
+    that mark;
+  - ``shared_memory``: two ``/dev/shm`` segments (:mod:`gymbridge.generation.shared_weights`):
+    the trainer copies the weights into the segment the generator is not using and the
+    server, answering the update, points its model at it. One copy, no socket. Only for a
+    CPU model and a server on this host;
+  - ``auto`` (the default): ``shared_memory`` when the server's URL is a loopback address,
+    the model is on the CPU and ``/dev/shm`` has room, falling back to ``broadcast`` (with
+    a log line) when the server refuses the segments; ``broadcast`` otherwise.
 
 Invariants: versions only go up (publishing an older version is refused); a publish either
 loads the whole version or raises :class:`~gymbridge.errors.WeightSyncError` (a generation
@@ -26,31 +37,47 @@ copies); a layout mismatch (names, shapes, dtypes) is refused before any tensor 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 import time
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
+from urllib.parse import urlsplit
 
 import torch
 
 from gymbridge.errors import WeightSyncError
 from gymbridge.generation.weights import (
+    DEFAULT_ALONE_BYTES,
     DEFAULT_BUCKET_BYTES,
     Backend,
+    BucketBuffers,
+    TensorSpec,
     WeightGroup,
     WeightTarget,
-    bucket_tensors,
+    bucket_into,
     check_layout,
     loaded_key,
     named_weights,
     open_weight_group,
     plan_buckets,
+    single_tensor,
     weight_store,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistributedPublisher", "InProcessPublisher", "WeightPublisher", "copy_weights"]
+__all__ = [
+    "DistributedPublisher",
+    "InProcessPublisher",
+    "WeightPublisher",
+    "WeightTransport",
+    "copy_weights",
+    "is_loopback_url",
+]
+
+WeightTransport = Literal["auto", "broadcast", "shared_memory"]
+"""How :class:`DistributedPublisher` moves the tensors (see the module docstring)."""
 
 
 class WeightPublisher(Protocol):
@@ -111,6 +138,21 @@ class InProcessPublisher:
         return None
 
 
+def is_loopback_url(url: str) -> bool:
+    """Whether ``url``'s host is this machine's loopback (``127.0.0.0/8``, ``::1``, ``localhost``)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _on_cpu(model: Any) -> bool:
+    return all(t.device.type == "cpu" for _, t in named_weights(model))
+
+
 def _default_backend(model: Any) -> Backend:
     first = next(iter(model.parameters()), None)
     on_gpu = first is not None and first.device.type == "cuda"
@@ -120,10 +162,13 @@ def _default_backend(model: Any) -> Backend:
 class DistributedPublisher:
     """Publish to a model server in another process (see the module docstring).
 
-    ``url`` is the server's base URL. The group is set up on the first :meth:`publish` (or
-    :meth:`connect`): the trainer hosts the group's store on ``host`` (127.0.0.1 by default) on
-    a free port and is rank 0; the server's ranks follow. ``bucket_bytes`` bounds each
-    broadcast; ``timeout_s`` bounds joining, each broadcast and each HTTP call.
+    ``url`` is the server's base URL. The transport is set up on the first :meth:`publish` (or
+    :meth:`connect`); for ``broadcast`` the trainer hosts the group's store on ``host``
+    (127.0.0.1 by default) on a free port and is rank 0; the server's ranks follow.
+    ``bucket_bytes`` bounds each broadcast; ``timeout_s`` bounds joining, each broadcast and
+    each HTTP call. :attr:`transport` is the transport in use once connected;
+    :attr:`last_timings` splits the last publish (``pack_send_s``: packing and broadcasting,
+    or copying into shared memory; ``load_s``: waiting for the server to load it).
     """
 
     def __init__(
@@ -134,20 +179,30 @@ class DistributedPublisher:
         backend: Backend | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 120.0,
+        transport: WeightTransport = "auto",
     ) -> None:
         import httpx
 
+        if transport not in ("auto", "broadcast", "shared_memory"):
+            raise ValueError(f"transport must be auto, broadcast or shared_memory, got {transport!r}")
         self.url = url.rstrip("/")
         self.host = host
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
-        self._http = httpx.Client(timeout=timeout_s)
+        self.requested_transport: WeightTransport = transport
+        self.transport: Literal["broadcast", "shared_memory"] | None = None
+        """The transport in use (``None`` until connected)."""
+        self._http = httpx.Client(timeout=timeout_s, trust_env=False)
         self._store: Any = None
         self._group: WeightGroup | None = None
+        self._buffers: BucketBuffers | None = None
+        self._shared: Any = None
+        self._next_segment = 0
         self.version: int | None = None
         self.syncs = 0
         self.last_sync_s = 0.0
+        self.last_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ control
 
@@ -181,9 +236,54 @@ class DistributedPublisher:
         return data if isinstance(data, dict) else {}
 
     def connect(self, model: Any) -> None:
-        """Set up the group with the server (idempotent); the server checks the layout first."""
-        if self._group is not None:
+        """Set up the transport with the server (idempotent); the server checks the layout first."""
+        if self._group is not None or self._shared is not None:
             return
+        wanted = self.requested_transport
+        if wanted == "shared_memory" or (
+            wanted == "auto" and is_loopback_url(self.url) and _on_cpu(model) and self.backend != "nccl"
+        ):
+            try:
+                self._connect_shared(model)
+                return
+            except WeightSyncError as exc:
+                if wanted == "shared_memory":
+                    raise
+                logger.info("shared-memory weight sync unavailable (%s): broadcasting instead", exc)
+        self._connect_broadcast(model)
+
+    def _connect_shared(self, model: Any) -> None:
+        from gymbridge.generation.shared_weights import SharedWeightsWriter
+
+        if not _on_cpu(model):
+            raise WeightSyncError("shared-memory weight sync needs the trainer's model on the CPU")
+        specs = [
+            TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for n, t in named_weights(model)
+        ]
+        writer = SharedWeightsWriter(specs)
+        try:
+            self._post(
+                "/weights/init_group",
+                {
+                    "transport": "shared_memory",
+                    "segments": writer.names,
+                    "nonce": writer.nonce.hex(),
+                    "tensors": [s.to_json() for s in specs],
+                },
+            )
+        except BaseException:
+            writer.close()
+            raise
+        writer.unlink()  # both sides hold their mappings: nothing stays in /dev/shm
+        self._shared = writer
+        self._next_segment = 0
+        self.transport = "shared_memory"
+        logger.info(
+            "shared-memory weight sync with %s ready (%.1f MiB per segment)", self.url, writer.nbytes / 2**20
+        )
+
+    def _connect_broadcast(self, model: Any) -> None:
         backend = self.backend or _default_backend(model)
         ranks = int(self.status().get("ranks", 1))
         world_size = 1 + ranks
@@ -204,6 +304,7 @@ class DistributedPublisher:
         )
         self._group = self._join(store, world_size, backend)
         self._store = store
+        self.transport = "broadcast"
         logger.info("weight group with %s ready (%s, %d ranks)", self.url, backend, world_size)
 
     def _join(self, store: Any, world_size: int, backend: Backend) -> WeightGroup:
@@ -240,22 +341,66 @@ class DistributedPublisher:
         if self.version is not None and version < self.version:
             raise WeightSyncError(f"policy version {version} is older than the published {self.version}")
         self.connect(model)
-        assert self._group is not None
-        named = named_weights(model)
-        buckets = plan_buckets(named, self.bucket_bytes)
-        self._post("/weights/update", {"version": version, "buckets": [b.to_json() for b in buckets]})
-        tensors = dict(named)
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        with torch.no_grad():
-            for bucket in buckets:
-                flat = bucket_tensors(bucket, [tensors[s.name] for s in bucket.specs], device)
-                self._group.broadcast(flat, timeout_s=self.timeout_s)
-                del flat  # one bucket at a time: the weights never exist twice here
-        self._wait_loaded(version)
+        if self._shared is not None:
+            self._publish_shared(model, version, started)
+        else:
+            self._publish_broadcast(model, version, started)
         self.version = version
         self.syncs += 1
         self.last_sync_s = time.perf_counter() - started
         return self.last_sync_s
+
+    def _publish_shared(self, model: Any, version: int, started: float) -> None:
+        writer = self._shared
+        segment = self._next_segment
+        writer.write(segment, [t for _, t in named_weights(model)])
+        written = time.perf_counter()
+        try:
+            self._post(
+                "/weights/update",
+                {"version": version, "transport": "shared_memory", "segment": segment},
+            )
+        except WeightSyncError:
+            # which segment the server uses is unknown now: set up afresh on the next publish
+            self._drop_shared()
+            raise
+        self._next_segment = 1 - segment
+        self.last_timings = {"pack_send_s": written - started, "load_s": time.perf_counter() - written}
+
+    def _drop_shared(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
+            self._shared = None
+            self.transport = None
+
+    def _publish_broadcast(self, model: Any, version: int, started: float) -> None:
+        group = self._group
+        assert group is not None
+        named = named_weights(model)
+        buckets = plan_buckets(
+            named, self.bucket_bytes, alone_bytes=min(DEFAULT_ALONE_BYTES, self.bucket_bytes)
+        )
+        self._post("/weights/update", {"version": version, "buckets": [b.to_json() for b in buckets]})
+        tensors = dict(named)
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        if self._buffers is None or self._buffers.device != device:
+            self._buffers = BucketBuffers(self.bucket_bytes, device)
+        works: list[Any] = []
+        with torch.no_grad():
+            for i, bucket in enumerate(buckets):
+                entries = [tensors[s.name] for s in bucket.specs]
+                flat = single_tensor(bucket, entries)
+                if flat is None:
+                    if len(works) >= 2:  # buffer i % 2 is free once bucket i - 2 is on its way
+                        group.wait(works[-2])
+                    flat = self._buffers.flat(i, bucket)
+                    bucket_into(bucket, entries, flat)
+                works.append(group.broadcast_async(flat, timeout_s=self.timeout_s))
+            for work in works:
+                group.wait(work)
+        sent = time.perf_counter()
+        self._wait_loaded(version)
+        self.last_timings = {"pack_send_s": sent - started, "load_s": time.perf_counter() - sent}
 
     def _wait_loaded(self, version: int) -> None:
         key = loaded_key(version)
@@ -272,4 +417,6 @@ class DistributedPublisher:
             self._group.close()
             self._group = None
         self._store = None
+        self._buffers = None
+        self._drop_shared()
         self._http.close()

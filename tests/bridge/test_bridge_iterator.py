@@ -320,3 +320,33 @@ async def test_regression_masked_rollout_that_fails_the_build_leaves_the_masked_
         (batch,) = [b async for b in it]
     assert [m["rollout_index"] for m in batch.metadata] == [1, 2]
     assert (it.stats.rollouts_ok, it.stats.rollouts_failed, it.stats.rollouts_masked) == (2, 1, 0)
+
+
+async def test_each_batch_says_where_the_bridges_time_went(tiny: TinyVLM, processor: MediaProcessor) -> None:
+    """``BridgeBatch.timings``: every group of the batch counted; the loop's own work (postprocess,
+    build, assemble) is inside the caller's wait."""
+    agent = FakeAgent(tiny, _alternating)
+    async with _client(agent) as client:
+        it = BridgeIterator(
+            make_rows(4), GymRollouts(client), processor, BridgeConfig(group_size=G, prompts_per_step=2)
+        )
+        seen = []
+        while True:
+            try:
+                seen.append((await it.next_batch()).timings)
+            except StopAsyncIteration:
+                break
+    assert len(seen) == 2
+    for t in seen:
+        assert t.groups == 2 and t.rollouts == 2 * G
+        assert t.postprocess_s > 0 and t.build_s > 0 and t.assemble_s > 0 and t.rollouts_s > 0
+        assert t.postprocess_s + t.build_s + t.assemble_s <= t.wait_s
+        assert set(t.as_dict()) == {
+            "wait_s",
+            "rollouts_s",
+            "postprocess_s",
+            "build_s",
+            "assemble_s",
+            "groups",
+            "rollouts",
+        }

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 import pytest
@@ -368,11 +369,66 @@ async def test_progress_bar_shows_done_failed_rate_and_mean_reward_and_can_be_sw
 
 async def test_regression_pool_shards_stay_small_so_the_pool_scan_stays_cheap() -> None:
     """httpcore scans queued requests x connections per request: one 32-connection pool at 32 in
-    flight spent ~2,900 is_idle() calls per rollout (2.4x fewer rollouts/s than shards of 8)."""
+    flight spent ~2,900 is_idle() calls per rollout. The default path is one aiohttp pool now (no
+    such scan), bounded by ``max_connections``; the httpx path (a given transport) keeps shards."""
     from gymbridge.client._client import POOL_SHARD_SIZE
 
     async with GymClient("http://127.0.0.1:9", max_connections=256) as client:
-        limits = [shard._transport._pool._max_connections for shard in client._pool]
-        contexts = {id(shard._transport._pool._ssl_context) for shard in client._pool}
-    assert POOL_SHARD_SIZE <= 8 and max(limits) <= POOL_SHARD_SIZE and sum(limits) >= 256
-    assert len(contexts) == 1  # one TLS context for every shard, not one (~17 ms) each
+        session = client._aiohttp()
+        assert session.connector is not None and session.connector.limit == 256
+        assert isinstance(session.cookie_jar, aiohttp.DummyCookieJar)
+        assert len(client._pool) == 1  # discovery's httpx client only
+    transport = httpx.MockTransport(lambda request: httpx.Response(200))
+    async with GymClient("http://127.0.0.1:9", max_connections=256, transport=transport) as client:
+        assert len(client._pool) * POOL_SHARD_SIZE >= 256 and POOL_SHARD_SIZE <= 8
+        contexts = {id(shard._transport) for shard in client._pool}
+    assert len(contexts) == 1  # every shard over the one transport given
+
+
+async def test_regression_an_agents_cookie_does_not_ride_along_on_the_next_row() -> None:
+    """The agent sets its session cookie on every ``/run`` answer (stock parity); httpx's client
+    jar kept it and sent it with every later row (and parsed it per reply). Neither path keeps one."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    async def run(request: web.Request) -> web.Response:
+        seen.append(request.headers.get("Cookie"))
+        body = await request.json()
+        reply = web.json_response(ok_result(body))
+        reply.set_cookie("SimpleAgent___simple_agent", f"s{len(seen)}")
+        return reply
+
+    app = web.Application()
+    app.router.add_post("/run", run)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        async with GymClient(f"http://127.0.0.1:{port}") as client:
+            for _ in range(2):
+                assert (await client.run(dict(ROW))).ok
+    finally:
+        await runner.cleanup()
+
+    def mock(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("Cookie"))
+        return httpx.Response(200, json=ok_result(json.loads(request.content)), headers={"Set-Cookie": "a=b"})
+
+    async with client_for(mock) as client:
+        for _ in range(2):
+            assert (await client.run(dict(ROW))).ok
+    assert seen == [None, None, None, None]
+
+
+async def test_regression_httpcore_finds_sniffio_instead_of_a_failed_import_per_lock() -> None:
+    """httpcore imports sniffio on every async lock it sets up; without the package each one was a
+    failed import scanning sys.path (~1 ms, a fifth of the bridge's CPU per rollout). A dependency now."""
+    import sys
+
+    from httpcore import _synchronization
+
+    assert _synchronization.current_async_library() == "asyncio"
+    assert "sniffio" in sys.modules

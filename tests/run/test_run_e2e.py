@@ -198,3 +198,33 @@ def test_native_rollouts_of_a_tool_env_whose_rows_offer_no_tools_do_not_reset(tm
     ``/reset`` to color_pick (a tool-style env), so every rollout failed with HTTP 404."""
     result, _ = quiet_train(run_config(tmp_path, {**SMALL, "rollout.native": True, "rollout.max_tokens": 4}))
     assert result.rollouts_failed == 0 and result.rollouts_ok == 4
+
+
+def test_every_step_says_where_its_time_went(tmp_path: Path) -> None:
+    """Issue 29: each metrics.jsonl line splits ``step_s`` into ``timing/*`` phases that add up to it
+    (``other`` the rest, never negative), the model server's and the agent's own counters among
+    them; ``charts/timing.png`` draws the split and the console's summary gives the medians."""
+    import orjson
+    from PIL import Image
+
+    from gymbridge.run.timing import PHASES
+
+    settings = {**SMALL, "bridge.group_size": 4, "shaping.kind": "token_rate", "rollout.max_tokens": 16}
+    _, text = quiet_train(run_config(tmp_path, settings))
+    lines = [orjson.loads(x) for x in (tmp_path / "metrics.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
+        timing = {k: v for k, v in r.items() if k.startswith("timing/")}
+        assert set(timing) == {f"timing/{p}" for p in PHASES}
+        assert sum(timing.values()) == pytest.approx(r["step_s"], rel=1e-9, abs=1e-9)
+        assert r["timing/other"] >= -1e-6 and all(v >= 0 for v in timing.values())
+        # the Gym path: the model server's compute and the agent's env calls are counted
+        assert r["timing/generation"] > 0 and r["timing/env_seed"] > 0 and r["timing/env_verify"] > 0
+        assert r["timing/postprocess"] > 0 and r["timing/batch_build"] > 0
+        if r["skipped"] is None:
+            assert r["timing/forward_backward"] > 0 and r["timing/optimizer"] > 0
+            assert r["timing/weight_sync"] > 0
+    assert lines[1]["timing/artifacts"] > 0  # step 1's line, console and artifacts hand-off
+    with Image.open(tmp_path / "charts" / "timing.png") as img:
+        assert img.format == "PNG" and img.size[0] > 100
+    assert re.search(r"step time, median of 2 step\(s\): \d+\.\d{3}s; per phase \(s\): wait_rollouts", text)

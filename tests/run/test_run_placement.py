@@ -1,8 +1,9 @@
 """The run with its generator in another process: on-policy at every step, the child always stopped.
 
 ``gymbridge smoke run --set generator.placement=process`` starts ``gymbridge model serve`` as a
-child, publishes the trainer's weights to it after every step over torch.distributed (gloo),
-and the trainer's drift guard sees ratio 1; a generator left at the step-0 weights fails it.
+child, publishes the trainer's weights to it after every step over torch.distributed (gloo) or
+through shared memory, and the trainer's drift guard sees ratio 1; a generator left at the
+step-0 weights fails it.
 """
 
 from __future__ import annotations
@@ -38,15 +39,21 @@ def child_is_gone(pid: int) -> bool:
     return False
 
 
-def test_placement_process_trains_on_policy_at_every_step(tmp_path: Path) -> None:
-    """ratio_mean within 1e-3 of 1 at every trained step; every version published over the group."""
-    result, text = quiet_train(run_config(tmp_path, {**SMALL, "generator.placement": "process"}))
+@pytest.mark.parametrize(
+    ("transport", "line"),
+    [("broadcast", "torch.distributed broadcast"), ("shared_memory", "shared memory")],
+)
+def test_placement_process_trains_on_policy_at_every_step(transport: str, line: str, tmp_path: Path) -> None:
+    """ratio_mean within 1e-3 of 1 at every trained step; every version published, broadcast over
+    the group or through shared memory (``generator.weight_transport``)."""
+    settings = {**SMALL, "generator.placement": "process", "generator.weight_transport": transport}
+    result, text = quiet_train(run_config(tmp_path, settings))
     trained = [m for m in result.steps if m.skipped is None]
     assert len(result.steps) == 3 and len(trained) >= 2 and result.rollouts_failed == 0
     assert all(abs(m.ratio_mean - 1.0) < 1e-3 for m in trained), [m.ratio_mean for m in trained]
     assert [m.policy_version for m in trained] == list(range(1, len(trained) + 1))
     assert all(m.weight_sync_s > 0 for m in trained)
-    assert "torch.distributed broadcast" in text and f"-> v{len(trained)} (sync " in text
+    assert f"weights published after every step ({line})" in text and f"-> v{len(trained)} (sync " in text
     assert result.model_server_pid is not None and child_is_gone(result.model_server_pid)
     assert (tmp_path / "model_server.log").read_text()  # the child's own log, kept with the run
 

@@ -266,3 +266,51 @@ async def test_row_refused_by_the_environment_keeps_its_4xx() -> None:
         assert status == 422 and "target" in body
         status, _ = await h.run({"responses_create_params": {"input": "go"}, "target": 1})
         assert status == 200
+
+
+async def counted_runs(
+    env_server: ResourcesServer, script: Any, rows: list[dict[str, Any]], **kw: Any
+) -> Any:
+    """Run ``rows`` through a SimpleAgent we hold; its counters, in-process and over HTTP."""
+    env = await start_server(env_server)
+    model = ScriptedModelServer(script)
+    await model.start()
+    agent = SimpleAgent(resources_url=env.url, model_url=model.url, **kw)
+    running = await start_server(agent)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for row in rows:
+                async with http.post(running.url + "/run", json=row) as reply:
+                    assert reply.status == 200, await reply.text()
+            async with http.get(running.url + "/counters") as reply:
+                over_http = await reply.json()
+        return agent.counters(), over_http
+    finally:
+        await running.stop()
+        await model.stop()
+        await env.stop()
+
+
+async def test_counters_time_every_environment_and_model_call_by_kind() -> None:
+    """``SimpleAgent.counters()`` / ``GET /counters``: one interval per outbound call, by what it is."""
+    script = [
+        {"calls": [call("increment", {"amount": 1})]},
+        {"calls": [call("increment", {"amount": 1})]},
+        "done",
+    ]
+    counters, over_http = await counted_runs(CounterEnv(), script, counter_rows(2))
+    assert over_http.keys() == counters.keys()
+    assert counters["run_n"] == 2 and counters["env_seed_n"] == 2 and counters["env_verify_n"] == 2
+    assert counters["env_tool_n"] == 4 and counters["model_n"] == 6
+    for phase in ("run", "env_seed", "env_tool", "env_verify", "model"):
+        assert 0 < counters[f"{phase}_busy_s"] <= counters[f"{phase}_s"]
+    assert counters["env_verify_s"] + counters["model_s"] <= counters["run_s"]
+    assert all(over_http[k] <= counters[k] for k in counters)  # read earlier: never larger
+
+
+async def test_counters_of_a_gymnasium_run_count_reset_and_steps() -> None:
+    counters, _ = await counted_runs(
+        StepCounterEnv(), ["+1", "+1", "stop"], step_counter_rows(1), gymnasium=True
+    )
+    assert counters["env_seed_n"] == 1 and counters["run_n"] == 1
+    assert counters["env_step_n"] == counters["model_n"] >= 1

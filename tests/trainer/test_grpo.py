@@ -214,3 +214,17 @@ def test_ratio_metrics_are_one_on_policy_and_the_guard_refuses_a_stale_batch(
     assert trainer.steps == 1
     off_policy = GRPOTrainer(model, GRPOConfig(lr=3e-3), on_policy=False)
     assert abs(off_policy.step(fixed).ratio_mean - 1.0) > 1e-2  # reported, not raised
+
+
+def test_step_reports_forward_backward_and_optimizer_seconds(tiny: TinyVLM, batch: TrainBatch) -> None:
+    """The step's split: the forward/backward passes and the update, each inside the step's time;
+    a skipped update (no loss token) spends nothing in the optimizer."""
+    model = tiny_policy(0)
+    trainer = GRPOTrainer(model, GRPOConfig())
+    metrics = trainer.step(with_current_logprobs(model, batch))
+    assert metrics.forward_backward_s > 0 and metrics.optimizer_s > 0
+    # wallclock-ok: intervals nested in the step's own interval (the split's invariant), no time goal
+    assert metrics.forward_backward_s + metrics.optimizer_s <= metrics.elapsed_s
+    assert {"forward_backward_s", "optimizer_s"} <= metrics.as_dict().keys()
+    skipped = trainer.step(replace(batch, loss_mask=torch.zeros_like(batch.loss_mask)))
+    assert skipped.optimizer_s == 0.0 and skipped.forward_backward_s >= 0.0

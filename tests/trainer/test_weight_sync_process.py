@@ -1,8 +1,10 @@
 """Weight sync to a model server in another process: ``gymbridge model serve --enable-weight-updates``.
 
 One child process (the tiny model, seed 0) serves the module's tests; a trainer-side model is
-nudged, published over the gloo weight group, and the child's greedy generations must then be
-those of the nudged weights, stamped with the published version.
+nudged, published over the gloo weight group or through shared memory (the ``publisher``
+fixture runs each test with both transports, one after the other against the same child),
+and the child's greedy generations must then be those of the nudged weights, stamped with the
+published version.
 """
 
 from __future__ import annotations
@@ -48,13 +50,20 @@ def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProce
         yield proc
 
 
-@pytest.fixture(scope="module")
-def publisher(child: ModelServerProcess) -> Iterator[DistributedPublisher]:
-    pub = DistributedPublisher(child.url, bucket_bytes=256 * 1024, timeout_s=60)  # several buckets
+@pytest.fixture(scope="module", params=["broadcast", "shared_memory"])
+def publisher(child: ModelServerProcess, request: pytest.FixtureRequest) -> Iterator[DistributedPublisher]:
+    pub = DistributedPublisher(
+        child.url, bucket_bytes=256 * 1024, timeout_s=60, transport=request.param
+    )  # several buckets
     try:
         yield pub
     finally:
         pub.close()
+
+
+def server_version(child: ModelServerProcess) -> int:
+    version: int = httpx.get(f"{child.url}/weights/status").json()["policy_version"]
+    return version
 
 
 def nudged(seed: int) -> torch.nn.Module:
@@ -83,10 +92,11 @@ async def local_greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[list[
 def test_published_weights_are_the_ones_the_child_generates_with(
     child: ModelServerProcess, publisher: DistributedPublisher
 ) -> None:
-    loaded = publisher.version or 0  # the child starts at version 0 (the same seed's weights)
+    loaded = server_version(child)  # the child starts at version 0 (the same seed's weights)
     assert ask(child.url, "describe the picture")["policy_version"] == loaded
     model = nudged(1)
     seconds = publisher.publish(model, loaded + 1)
+    assert publisher.transport == publisher.requested_transport
     assert 0.0 < seconds < 30.0
     after = ask(child.url, "describe the picture")
     assert after["policy_version"] == loaded + 1
@@ -95,21 +105,26 @@ def test_published_weights_are_the_ones_the_child_generates_with(
     assert max(abs(a - b) for a, b in zip(after["generation_log_probs"], logprobs, strict=True)) < 1e-5
     status = httpx.get(f"{child.url}/weights/status").json()
     assert status["policy_version"] == loaded + 1 and status["error"] is None
+    assert status["transport"] == publisher.transport
 
 
 def test_several_buckets_and_versions_in_a_row(
     child: ModelServerProcess, publisher: DistributedPublisher
 ) -> None:
-    model = nudged(2)
-    assert len(plan_buckets(list(model.state_dict().items()), publisher.bucket_bytes)) > 3
-    start = (publisher.version or 0) + 1
-    for v in range(start, start + 3):
+    assert len(plan_buckets(list(nudged(2).state_dict().items()), publisher.bucket_bytes)) > 3
+    start = server_version(child) + 1
+    for v in range(start, start + 3):  # shared memory: both segments, then the first one again
+        model = nudged(v)
         publisher.publish(model, v)
-    assert ask(child.url, "hi")["policy_version"] == start + 2
+        after = ask(child.url, "hi")
+        assert after["policy_version"] == v
+        tokens, logprobs = asyncio.run(local_greedy(model, after["prompt_token_ids"]))
+        assert after["generation_token_ids"] == tokens
+        assert max(abs(a - b) for a, b in zip(after["generation_log_probs"], logprobs, strict=True)) < 1e-5
 
 
 def test_an_older_version_is_refused(child: ModelServerProcess, publisher: DistributedPublisher) -> None:
-    publisher.publish(nudged(3), (publisher.version or 0) + 1)
+    publisher.publish(nudged(3), server_version(child) + 1)
     with pytest.raises(WeightSyncError, match="older"):
         publisher.publish(nudged(3), 0)
 
@@ -168,12 +183,13 @@ def test_a_child_that_exits_before_serving_is_reported_with_its_log(tmp_path: Pa
         max_size=30,
     ),
     st.integers(1, 2048),
+    st.none() | st.integers(1, 4096),
 )
 def test_buckets_are_bounded_single_dtype_and_cover_every_entry_once(
-    entries: list[tuple[int, torch.dtype]], bucket_bytes: int
+    entries: list[tuple[int, torch.dtype]], bucket_bytes: int, alone_bytes: int | None
 ) -> None:
     named = [(f"w{i}", torch.zeros(n, dtype=d)) for i, (n, d) in enumerate(entries)]
-    buckets = plan_buckets(named, bucket_bytes)
+    buckets = plan_buckets(named, bucket_bytes, alone_bytes=alone_bytes)
     sizes = {name: t.numel() * t.element_size() for name, t in named}
     seen = [s.name for b in buckets for s in b.specs]
     assert sorted(seen) == sorted(sizes)
@@ -181,6 +197,8 @@ def test_buckets_are_bounded_single_dtype_and_cover_every_entry_once(
         assert {s.dtype for s in b.specs} == {b.dtype}
         total = sum(sizes[s.name] for s in b.specs)
         assert total <= bucket_bytes or len(b.specs) == 1
+        if alone_bytes is not None and len(b.specs) > 1:  # entries that large travel alone
+            assert all(sizes[s.name] < alone_bytes for s in b.specs)
     for dtype in {b.dtype for b in buckets}:  # state-dict order kept within a dtype
         order = [s.name for b in buckets if b.dtype == dtype for s in b.specs]
         assert order == sorted(order, key=lambda name: int(name[1:]))
@@ -196,7 +214,7 @@ def test_publishing_leaves_the_trainers_own_default_group_alone(
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'dp_store'}", rank=0, world_size=1)
     try:
         default = dist.group.WORLD
-        publisher.publish(nudged(4), (publisher.version or 0) + 1)
+        publisher.publish(nudged(4), server_version(child) + 1)
         assert dist.group.WORLD is default and dist.get_world_size() == 1
         tensor = torch.ones(2)
         dist.all_reduce(tensor)  # the DP group still works
@@ -237,7 +255,8 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
     assert ready.wait(30)
-    publisher = DistributedPublisher(urls[0], timeout_s=300)  # the slow path: waiting out the join
+    # the slow path: waiting out the join
+    publisher = DistributedPublisher(urls[0], timeout_s=300, transport="broadcast")
     started = time.monotonic()
     try:
         with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):

@@ -1,0 +1,210 @@
+"""Where a run's step time goes: the ``timing/*`` keys of every ``metrics.jsonl`` line.
+
+:meth:`GRPORun.step <gymbridge.run.recipe.GRPORun.step>` measures a few wall intervals itself
+(the wait for the batch, the update, the publication, the previous step's reporting and
+checkpoint) and reads the components' own counters (docs/timing.md): the bridge's
+:class:`~gymbridge.bridge.BatchTimings`, the model server's and the agent's
+:class:`~gymbridge.metrics.PhaseTimer` snapshots (:class:`StepCounters`) and the trainer's
+:class:`~gymbridge.trainer.StepMetrics`. :func:`split_step` turns them into phases that add up
+to the step's wall seconds:
+
+==================  ===================================================================
+``wait_rollouts``   the wait for the batch not attributed below (HTTP hops, the agent,
+                    scheduling, rollouts still running)
+``generation``      the model server's compute (``compute_busy_s`` during the step)
+``env_seed`` ...    the agent's environment calls (``env_seed``, ``env_tool``, ``env_step``,
+                    ``env_verify``, ``env_other`` busy seconds during the step)
+``postprocess``     rollout results to trajectories (the bridge, on the event loop)
+``batch_build``     per-group batches (media processing, dedup, advantages) and the batch
+``forward_backward`` the trainer's forward and backward passes
+``optimizer``       gradient clipping and the optimizer step
+``weight_sync``     publishing the new weights to the generator
+``artifacts``       the previous step's reporting as the loop waited for it: its
+                    ``metrics.jsonl`` line, console line, reporters and the hand-off of its
+                    artifacts to their writer thread (:class:`~gymbridge.run.callbacks.ArtifactsCallback`)
+``checkpoint``      the previous step's checkpoint, when it wrote one
+``other``           ``step_s`` minus all of the above (shown, never hidden)
+==================  ===================================================================
+
+A step's wall time runs from the moment the previous step's record was made (the first step:
+from its call) to the moment its own record is made, so the steps' ``step_s`` add up to the
+loop's wall time and a step's reporting and checkpoint are counted in the next one.
+
+The wait for the batch is split in this order, each phase at most what is left of it:
+``postprocess`` and ``batch_build`` (the bridge's own work on the event loop), ``generation``,
+the environment phases; the rest is ``wait_rollouts``. Rollouts run concurrently, so the
+model's and the environment's busy seconds can overlap each other; whatever they overlap is
+counted once, in the earlier phase. Likewise ``forward_backward`` and ``optimizer`` are at most
+the update's wall seconds (the rest of the update, preparing the batch, is in ``other``).
+On the native path (``rollout.native``) there is no model server or agent to ask: the whole
+wait is ``wait_rollouts``. Likewise an agent of the user's own that does not answer
+``GET /counters``.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from gymbridge.metrics import timing_delta
+
+if TYPE_CHECKING:
+    from gymbridge.bridge import BatchTimings
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ENV_PHASES", "PHASES", "CounterSource", "StepCounters", "median_split", "split_step"]
+
+ENV_PHASES = ("env_seed", "env_tool", "env_step", "env_verify", "env_other")
+"""The agent's environment phases (``SimpleAgent`` counters), in attribution order."""
+
+PHASES = (
+    "wait_rollouts",
+    "generation",
+    *ENV_PHASES,
+    "postprocess",
+    "batch_build",
+    "forward_backward",
+    "optimizer",
+    "weight_sync",
+    "artifacts",
+    "checkpoint",
+    "other",
+)
+"""Every phase of :func:`split_step`, in the order charts and the console show them."""
+
+
+def split_step(
+    *,
+    step_s: float,
+    batch_wait_s: float,
+    batch: BatchTimings | None,
+    model: Mapping[str, float],
+    agent: Mapping[str, float],
+    forward_backward_s: float,
+    optimizer_s: float,
+    update_s: float,
+    weight_sync_s: float,
+    artifacts_s: float,
+    checkpoint_s: float,
+) -> dict[str, float]:
+    """The step's phases in seconds (module docstring), every one of :data:`PHASES`, summing to ``step_s``.
+
+    ``batch_wait_s``: the wall seconds of the bridge's ``next_batch``; ``model`` / ``agent``: the
+    counters' deltas over the step (``{}`` when not available); ``update_s``: the wall seconds of
+    the update, which bound ``forward_backward_s + optimizer_s``.
+    """
+    out = dict.fromkeys(PHASES, 0.0)
+    left = max(0.0, batch_wait_s)
+
+    def take(phase: str, seconds: float) -> None:
+        nonlocal left
+        share = min(max(0.0, seconds), left)
+        out[phase] = share
+        left -= share
+
+    if batch is not None:
+        take("postprocess", batch.postprocess_s)
+        take("batch_build", batch.build_s + batch.assemble_s)
+    take("generation", model.get("compute_busy_s", 0.0))
+    for phase in ENV_PHASES:
+        take(phase, agent.get(f"{phase}_busy_s", 0.0))
+    out["wait_rollouts"] = left
+    left = max(0.0, update_s)
+    take("forward_backward", forward_backward_s)
+    take("optimizer", optimizer_s)
+    out["weight_sync"] = max(0.0, weight_sync_s)
+    out["artifacts"] = max(0.0, artifacts_s)
+    out["checkpoint"] = max(0.0, checkpoint_s)
+    out["other"] = step_s - sum(v for k, v in out.items() if k != "other")
+    return out
+
+
+class CounterSource:
+    """One component's counters: an in-process ``counters()`` or a ``GET <url>/counters``.
+
+    A source that cannot answer (an agent of the user's own without ``/counters``, a server
+    gone) says so once in the log and answers ``{}`` from then on: a step's split never fails
+    the step.
+    """
+
+    def __init__(
+        self, name: str, *, local: Callable[[], Mapping[str, float]] | None = None, url: str | None = None
+    ):
+        self.name = name
+        self._local = local
+        self._url = url.rstrip("/") + "/counters" if url else None
+        self._off = local is None and url is None
+
+    async def read(self, http: Any) -> dict[str, float]:
+        if self._off:
+            return {}
+        try:
+            if self._local is not None:
+                return dict(self._local())
+            reply = await http.get(self._url)
+            if reply.status_code != 200:
+                raise ValueError(f"HTTP {reply.status_code}")
+            body = reply.json()
+            if not isinstance(body, dict):
+                raise ValueError("not a JSON object")
+            return {str(k): float(v) for k, v in body.items() if isinstance(v, int | float)}
+        except Exception as exc:  # counters are diagnostics: never fail a step over them
+            logger.info(
+                "%s counters unavailable (%s); its phases are counted in wait_rollouts", self.name, exc
+            )
+            self._off = True
+            return {}
+
+
+class StepCounters:
+    """The model server's and the agent's counters, read at each step boundary (deltas per step)."""
+
+    def __init__(self, model: CounterSource | None = None, agent: CounterSource | None = None) -> None:
+        self.model = model
+        self.agent = agent
+        self._http: Any = None
+        self._before: tuple[dict[str, float], dict[str, float]] | None = None
+
+    async def _read(self) -> tuple[dict[str, float], dict[str, float]]:
+        remote = [s for s in (self.model, self.agent) if s is not None and s._url is not None]
+        if remote and self._http is None:
+            import httpx
+
+            self._http = httpx.AsyncClient(timeout=5.0, trust_env=False)
+        model = await self.model.read(self._http) if self.model is not None else {}
+        agent = await self.agent.read(self._http) if self.agent is not None else {}
+        return model, agent
+
+    async def start(self) -> None:
+        """Read the counters at the start of a step window (when no earlier :meth:`delta` did)."""
+        if self._before is None:
+            self._before = await self._read()
+
+    async def delta(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The model's and the agent's counters since the last call (or :meth:`start`)."""
+        after = await self._read()
+        before = self._before or ({}, {})
+        self._before = after
+        return timing_delta(after[0], before[0]), timing_delta(after[1], before[1])
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+
+
+def median_split(records: Sequence[Mapping[str, Any]]) -> str:
+    """One line: the median ``step_s`` and the median seconds of every phase that took any time."""
+    timed = [r for r in records if "timing/other" in r]
+    if not timed:
+        return ""
+    step = statistics.median(float(r["step_s"]) for r in timed)
+    parts = []
+    for phase in PHASES:
+        values = [float(r.get(f"timing/{phase}", 0.0)) for r in timed]
+        if any(values):
+            parts.append(f"{phase} {statistics.median(values):.3f}")
+    return f"step time, median of {len(timed)} step(s): {step:.3f}s; per phase (s): " + ", ".join(parts)
