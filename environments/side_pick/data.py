@@ -8,7 +8,7 @@ the same amounts: only *where* the bar lies tells the answer. ``blank=True`` dra
 the answer stays the row's side: the control under which nothing is learnable (reward stays at
 chance, 1/4).
 
-What the tiny Qwen2-VL can see decides the layout (docs/benchmarks.md, "A spatial task"): its
+What the tiny Qwen2-VL can see decides the layout (docs/benchmarks.md, "The spatial task (issue 24)"): its
 vision tower cuts the image into 14-pixel patches and merges each 2x2 block (28x28 pixels) into
 one image token, the four patches in a fixed order; its language model's M-RoPE turns by at most
 0.1 rad between neighbouring image tokens, so the image tokens reach it almost as an unordered

@@ -1,6 +1,6 @@
 """``gymbridge train --config smoke_spatial``: side_pick through the user's command, its blank control.
 
-The learning curve itself is measured in docs/benchmarks.md ("A spatial task"); here the command
+The learning curve itself is measured in docs/benchmarks.md ("The spatial task (issue 24)"); here the command
 runs 2 steps end to end with the blank-image control (``--set env.params.blank=true``) and the
 objective options of docs/grpo.md set the way a user sets them (``--set trainer.X=...``).
 """
