@@ -1,9 +1,11 @@
-"""Six example environments built on :mod:`gymbridge.server`, and their registry.
+"""The example environments built on :mod:`gymbridge.server`, and their registry.
 
 =============  ==========  =========  ==============================================
 name           modality    style      task
 =============  ==========  =========  ==============================================
+color_pick     image       tools      one word: the image's colour (or a ``look`` tool's)
 circle_click   image       tools      ``click(x, y)`` inside the named circle
+side_pick      image       tools      one letter: the side a bar lies along
 zoom_read      image       tools      ``zoom(bbox)`` crops, then ``answer(value)``
 beep_count     audio       tools      count beeps in a WAV (``metadata.audio_data``)
 bouncing_ball  video       tools      count bounces in an MP4 (``input_video``)

@@ -136,6 +136,15 @@ def assistant_text(output: object) -> str:
     return "\n".join(parts)
 
 
+_WORD = re.compile(r"[a-z]+")
+
+
+def first_word(text: str) -> str | None:
+    """The first run of ASCII letters in ``text``, lower-case (``None`` when there is none)."""
+    m = _WORD.search(text.lower())
+    return m.group(0) if m else None
+
+
 _ANSWER_TAG = re.compile(r"<answer>\s*(-?\d+)\s*</answer>", re.IGNORECASE)
 _INTEGER = re.compile(r"(?<![\w.])-?\d+(?!\w|\.\d)")
 

@@ -91,6 +91,11 @@ def oracle_script(env: str, row: dict[str, Any], *, zooms: int = 1) -> list[Any]
     Tool environments end with a plain assistant message so an agent stops on its own;
     grid_door is one ``<action>X</action>`` message per step along a shortest path.
     """
+    if env == "color_pick":  # reveal: tool rows look first
+        answer = str(row["color"])
+        return [_calls("look"), answer] if row.get("reveal") == "tool" else [answer]
+    if env == "side_pick":
+        return [str(row["side"])]
     if env == "circle_click":
         target = next(c for c in row["circles"] if c["color"] == row["target_color"])
         return [_calls("click", x=int(target["x"]), y=int(target["y"])), "Clicked."]

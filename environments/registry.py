@@ -172,6 +172,13 @@ ENVIRONMENTS: dict[str, EnvSpec] = {
             "ColorPickServer",
         ),
         EnvSpec(
+            "side_pick",
+            "name the side of the image a bar lies along (one letter)",
+            ("image",),
+            "tools",
+            "SidePickServer",
+        ),
+        EnvSpec(
             "circle_click", "click the centre of the named circle", ("image",), "tools", "CircleClickServer"
         ),
         EnvSpec(

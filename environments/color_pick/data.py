@@ -23,14 +23,13 @@ stripped); the colour of row ``i`` depends only on ``(seed, i, colors)`` and eac
 from __future__ import annotations
 
 import random
-import re
 from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 from PIL import Image
 
 from gymbridge.server import image_part
-from gymbridge_envs._common import png_data_url, row_rng
+from gymbridge_envs._common import first_word, png_data_url, row_rng
 
 ENV_NAME = "color_pick"
 
@@ -135,13 +134,9 @@ def generate(n: int, seed: int = 0, **params: Any) -> Iterator[dict[str, Any]]:
         yield make_row(seed, index, **params)
 
 
-_WORD = re.compile(r"[a-z]+")
-
-
 def answer_of(text: str) -> str | None:
     """The first word of ``text``, lower-case (``None`` when there is none)."""
-    m = _WORD.search(text.lower())
-    return m.group(0) if m else None
+    return first_word(text)
 
 
 def pick_reward(color: str, text: str) -> float:

@@ -42,7 +42,14 @@ def _modalities(traj: Trajectory) -> list[list[str]]:
 
 @pytest.mark.parametrize(
     ("env", "first_turn"),
-    [("circle_click", ["image"]), ("beep_count", ["audio"]), ("bouncing_ball", ["video"]), ("counter", [])],
+    [
+        ("circle_click", ["image"]),
+        ("color_pick", ["image"]),
+        ("side_pick", ["image"]),
+        ("beep_count", ["audio"]),
+        ("bouncing_ball", ["video"]),
+        ("counter", []),
+    ],
 )
 async def test_single_media_environments_put_their_media_on_turn_0(env: str, first_turn: list[str]) -> None:
     row = get_env(env).make_row(21, 0)

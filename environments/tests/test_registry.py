@@ -52,9 +52,10 @@ def test_rows_are_stock_gym_rows(name: str, rows: dict[str, list[dict[str, Any]]
         params = row["responses_create_params"]
         # 0.7.0 forbids extra keys inside responses_create_params: task data rides at the top level.
         assert set(params) <= ALLOWED_PARAMS_KEYS
-        # every prompt opens with a system message, except color_pick's (the tiny model's one-word
-        # task needs none; stock rows without one exist too)
-        assert params["input"][0]["role"] == ("user" if name == "color_pick" else "system")
+        # every prompt opens with a system message, except color_pick's and side_pick's (the tiny
+        # model's one-word tasks need none, and a shorter prompt leaves more attention to the
+        # image tokens; stock rows without one exist too)
+        assert params["input"][0]["role"] == ("user" if name in ("color_pick", "side_pick") else "system")
         parsed = parse_run_request(orjson.dumps(row))
         assert parsed.responses_create_params is not None
         assert orjson.loads(orjson.dumps(row)) == row  # plain JSON, nothing lost on the way

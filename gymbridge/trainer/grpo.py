@@ -31,8 +31,23 @@ warm-up). The reference logprob ``ref`` of each token comes from the same functi
 (same temperature, media mask and nucleus), and with ``r = ref - new`` the per-token term is
 Schulman's estimator (http://joschu.net/blog/kl-approx.html) of ``KL(pi_theta || pi_ref)``:
 ``k1 = -r`` or ``k3 = exp(r) - r - 1`` (non-negative, low variance; the GRPO paper's; ``r``
-is clamped to ``[-20, 20]`` so one token cannot make it infinite). ``StepMetrics.kl`` is its
-token mean over the loss tokens. ``kl_coef == 0`` builds no reference (no memory, no forward).
+is clamped to ``[-20, 20]`` so one token cannot make it infinite), or ``low_var_kl``: k3 with
+its value clamped to ``[-10, 10]`` as verl's estimator of that name (k3 >= 0, so the clamp acts
+only where ``k3 > 10``: ``r > 2.61`` or ``r < -11.0``; there the term is the constant 10 and
+gives no gradient). ``StepMetrics.kl`` is the estimator's token mean over the loss tokens.
+With ``kl_bias_correction`` the term is ``ratio * KL_t`` (``ratio = exp(new - old)``, with its
+gradient), TRL's ``use_bias_correction_kl``: the tokens were sampled from the behaviour policy,
+and the ratio makes the term's expected gradient that of ``KL(pi_theta || pi_ref)``; its value
+is unchanged on-policy (ratio 1) but its gradient is not (``grad ratio = ratio * grad new``).
+``kl_coef == 0`` builds no reference (no memory, no forward).
+
+**Dual clip.** ``clip_ratio_c = c > 1`` (verl's ``clip_ratio_c``; Ye et al. 2020, "Mastering
+Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729): for a
+negative advantage the per-token loss ``|A| * max(ratio, clip(ratio))`` grows without bound in
+the ratio; the dual clip stops it at ``c * |A|`` (the token's loss is the constant ``c * |A|``
+once ``ratio > c``, no gradient). Positive advantages are unchanged. ``is_cap = C`` bounds the
+same tokens' *value* at ``C * |A|`` but keeps their gradient (``C * |A| * grad log pi``);
+``StepMetrics.dual_clip_fraction`` counts the tokens the dual clip stopped.
 
 **Top-p.** The generator samples from the nucleus of the temperature-scaled, media-masked
 distribution (``HFGenerator`` through transformers' ``TopPLogitsWarper``) and reports the
@@ -195,10 +210,13 @@ __all__ = [
 
 LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 LRSchedule = Literal["constant", "linear", "cosine"]
-KLEstimator = Literal["k1", "k3"]
+KLEstimator = Literal["k1", "k3", "low_var_kl"]
 SkipReason = Literal["no_loss_tokens", "zero_advantage"]
 KL_LOG_RATIO_CLAMP = 20.0
 """``|ref - new|`` bound inside the k3 estimator (``exp(20)`` ~ 5e8: large, never infinite)."""
+LOW_VAR_KL_CLAMP = 10.0
+"""``low_var_kl``: k3's value is clamped to ``[-10, 10]`` (verl's ``low_var_kl``; k3 >= 0, so only
+the upper bound acts: tokens with ``ref - new > 2.61`` or ``new - ref > 11.0``, module docstring)."""
 
 
 class GRPOConfig(StrictModel):
@@ -248,6 +266,10 @@ class GRPOConfig(StrictModel):
     is_cap: float | None = None
     """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
+    clip_ratio_c: float | None = Field(None, gt=1.0, allow_inf_nan=False)
+    """Dual clip ``c`` (verl's ``clip_ratio_c``, Ye et al. 2020, arXiv:1912.09729): for a negative
+    advantage the per-token loss stops at ``c * |A|`` once the ratio passes ``c`` (no gradient beyond;
+    module docstring, *Dual clip*). ``None``: off. Must be > 1."""
     encoder_dedup: bool = True
     """Run the media encoders once per unique item of a micro-batch and scatter their outputs to every
     reference (:mod:`gymbridge.trainer.encoder`; same loss and gradients as encoding every copy). A model
@@ -269,7 +291,12 @@ class GRPOConfig(StrictModel):
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight ``beta`` of the KL penalty to a frozen copy of the initial policy (0: none, no copy)."""
     kl_estimator: KLEstimator = "k3"
-    """``k1``: ``new - ref``; ``k3``: ``exp(ref - new) - (ref - new) - 1`` (module docstring)."""
+    """``k1``: ``new - ref``; ``k3``: ``exp(ref - new) - (ref - new) - 1``; ``low_var_kl``: k3 with
+    its value clamped to ``[-10, 10]`` as verl's (module docstring)."""
+    kl_bias_correction: bool = False
+    """Multiply the per-token KL term by the importance ratio ``exp(new - old)`` (differentiable), as
+    TRL's ``use_bias_correction_kl``: the KL term's gradient becomes that of ``KL(pi_theta || pi_ref)``
+    under the behaviour policy's samples (module docstring). Only with ``kl_coef > 0``."""
     loss_agg: LossAgg = "token_mean"
     """How per-token losses become the batch loss (module docstring, *Loss aggregation*)."""
     mask_truncated: bool = False
@@ -365,6 +392,9 @@ class StepMetrics:
     forward included); with data parallelism, the slowest part's."""
     optimizer_s: float = 0.0
     """Seconds of the update itself: gradient clipping and the optimizer step (0.0 when skipped)."""
+    dual_clip_fraction: float = 0.0
+    """Loss tokens whose loss the dual clip (``GRPOConfig.clip_ratio_c``) stopped at ``c * |A|``,
+    over all loss tokens (0.0 with it off)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -404,6 +434,8 @@ class GradientResult:
     """Loss tokens outside the trainer's top-p nucleus."""
     forward_backward_s: float = 0.0
     """Seconds this part's forward and backward passes took."""
+    dual_clipped_tokens: int = 0
+    """Loss tokens whose loss the dual clip (``clip_ratio_c``) stopped at ``c * |A|``."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -612,10 +644,11 @@ def kl_estimate(
     log_ratio = ref_logprobs.to(new_logprobs) - new_logprobs  # r = log pi_ref / pi_theta
     if estimator == "k1":
         return -log_ratio
-    if estimator == "k3":
+    if estimator in ("k3", "low_var_kl"):
         r = log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-        return torch.exp(r) - r - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r} (k1 or k3)")
+        k3 = torch.exp(r) - r - 1.0
+        return k3.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if estimator == "low_var_kl" else k3
+    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k3 or low_var_kl)")
 
 
 def loss_rows(loss_mask: torch.Tensor) -> int:
@@ -658,6 +691,8 @@ def grpo_token_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     kl_estimator: KLEstimator = "k3",
+    clip_ratio_c: float | None = None,
+    kl_bias_correction: bool = False,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio PG loss (plus ``kl_coef`` x KL to ``ref_logprobs``) over ``[B, L]`` logprobs.
 
@@ -667,9 +702,13 @@ def grpo_token_loss(
     batch sum to the batch's loss. ``stats`` holds ``clipped`` (tokens whose ratio was
     clipped in the active direction), ``capped`` (tokens whose importance weight ``is_cap``
     truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
-    ``ratio_sum``, ``kl_sum`` (``old - new``), ``ref_kl_sum`` (the KL estimator, 0 without a
-    reference) and ``max_abs_log`` (the largest ``|new - old|``) over masked tokens.
+    ``dual_clipped`` (tokens of negative advantage whose loss the dual clip ``clip_ratio_c``
+    stopped at ``c * |A|``), ``ratio_sum``, ``kl_sum`` (``old - new``), ``ref_kl_sum`` (the KL
+    estimator, before ``kl_bias_correction``'s ratio; 0 without a reference) and ``max_abs_log``
+    (the largest ``|new - old|``) over masked tokens.
     """
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
     mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
     tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
     rows = loss_rows(mask) if total_loss_rows is None else total_loss_rows
@@ -682,11 +721,20 @@ def grpo_token_loss(
     unclipped = weight * adv
     clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
+    dual_clipped: torch.Tensor | int = 0
+    if clip_ratio_c is not None:  # A < 0: at most c|A|, a constant (no gradient) beyond it
+        bound = -clip_ratio_c * adv.expand_as(per_token)
+        negative = (adv < 0).expand_as(per_token)
+        with torch.no_grad():
+            dual_clipped = (negative & (per_token > bound) & (mask > 0)).sum()
+        per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
     ref_kl: torch.Tensor | None = None
     if ref_logprobs is not None:
         ref_kl = kl_estimate(new_logprobs, ref_logprobs, kl_estimator) * mask
         if kl_coef:
-            per_token = per_token + kl_coef * ref_kl
+            # TRL's bias correction: the sampled token's KL weighted by pi_theta / mu (value 1 on-policy)
+            kl_term = ref_kl * ratio if kl_bias_correction else ref_kl
+            per_token = per_token + kl_coef * kl_term
     loss = aggregate_loss(per_token, mask, loss_agg, total_loss_tokens=tokens, total_loss_rows=rows)
     with torch.no_grad():
         was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
@@ -694,6 +742,7 @@ def grpo_token_loss(
         stats = {
             "clipped": float(was_clipped),
             "capped": float(capped),
+            "dual_clipped": float(dual_clipped),
             "ratio_sum": float((ratio * mask).sum()),
             "kl_sum": float((-log_ratio * mask).sum()),
             "ref_kl_sum": float(ref_kl.sum()) if ref_kl is not None else 0.0,
@@ -854,7 +903,7 @@ class GRPOTrainer:
             return result
         self.model.eval()
         loss_sum = ratio_sum = kl_sum = ref_kl_sum = 0.0
-        clipped = capped = outside = tokens_run = padding = sequences = 0
+        clipped = capped = dual = outside = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
         packed = cfg.sequence_packing
         encoder = EncoderStats()
@@ -893,6 +942,8 @@ class GRPOTrainer:
                 ref_logprobs=ref_lp,
                 kl_coef=cfg.kl_coef,
                 kl_estimator=cfg.kl_estimator,
+                clip_ratio_c=cfg.clip_ratio_c,
+                kl_bias_correction=cfg.kl_bias_correction,
             )
             part = torch.autograd.grad(loss, self.params, allow_unused=True)
             for acc, g in zip(grads, part, strict=True):
@@ -903,6 +954,7 @@ class GRPOTrainer:
             loss_sum += float(loss.detach())
             clipped += int(stats["clipped"])
             capped += int(stats["capped"])
+            dual += int(stats["dual_clipped"])
             outside += mb_outside
             ratio_sum += stats["ratio_sum"]
             kl_sum += stats["kl_sum"]
@@ -918,6 +970,7 @@ class GRPOTrainer:
             first_ratio_mean=first_mean,
             first_max_abs_log=first_max,
             capped_tokens=capped,
+            dual_clipped_tokens=dual,
             tokens_run=tokens_run,
             padding_tokens=padding,
             packed_sequences=sequences,
@@ -1056,4 +1109,5 @@ def summarize(
         skipped=skipped,
         forward_backward_s=max((p.forward_backward_s for p in parts), default=0.0),
         optimizer_s=optimizer_s,
+        dual_clip_fraction=sum(p.dual_clipped_tokens for p in parts) / max(tokens, 1),
     )

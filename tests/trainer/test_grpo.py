@@ -192,6 +192,47 @@ def test_is_cap_below_the_clip_range_is_a_config_error() -> None:
     assert GRPOConfig(is_cap=1.2).is_cap == 1.2
 
 
+def test_dual_clip_stops_a_negative_advantage_tokens_loss_at_c_times_its_advantage() -> None:
+    """``clip_ratio_c = c``: a ratio-5 token with ``A = -1`` costs ``c``, with no gradient; ``is_cap``
+    bounds the same value but keeps the gradient; positive advantages are untouched."""
+    import math
+
+    old = torch.zeros(1, 2)
+    mask = torch.ones(1, 2)
+
+    def run(adv: float, **kwargs: float) -> list[float]:
+        new = torch.tensor([[math.log(5.0), 0.0]], requires_grad=True)
+        loss, stats = grpo_token_loss(new, old, torch.tensor([adv]), mask, **kwargs)
+        (grad,) = torch.autograd.grad(loss, new)
+        return [float(loss.detach()), *grad[0].tolist(), stats["dual_clipped"]]
+
+    assert run(-1.0) == pytest.approx([3.0, 2.5, 0.5, 0.0])  # (5 + 1) / 2
+    assert run(-1.0, clip_ratio_c=3.0) == pytest.approx([2.0, 0.0, 0.5, 1.0])  # (3 + 1) / 2, no gradient
+    assert run(-1.0, is_cap=3.0) == pytest.approx([2.0, 1.5, 0.5, 0.0])  # same value, gradient weight 3
+    assert run(-1.0, clip_ratio_c=6.0) == pytest.approx(run(-1.0))  # c above every ratio: nothing changes
+    assert run(1.0, clip_ratio_c=1.5) == pytest.approx(run(1.0))  # A > 0: the ratio clip already bounds it
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        run(-1.0, clip_ratio_c=1.0)
+
+
+def test_dual_clip_at_or_below_1_is_a_config_error_and_the_step_reports_its_fraction(
+    tiny: TinyVLM, batch: TrainBatch
+) -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="clip_ratio_c"):
+        GRPOConfig(clip_ratio_c=1.0)
+    model = tiny_policy(0)
+    fixed = with_current_logprobs(model, batch)
+    # old logprobs 3 nats below the policy's: every ratio is e^3 ~ 20 > c
+    stale = replace(fixed, logprobs=(fixed.logprobs - 3.0) * fixed.loss_mask)
+    metrics = GRPOTrainer(model, GRPOConfig(clip_ratio_c=3.0), on_policy=False).step(stale)
+    negative = float((stale.advantages < 0).float() @ stale.loss_mask.sum(dim=1))
+    assert metrics.dual_clip_fraction == pytest.approx(negative / metrics.num_loss_tokens)
+    assert 0.0 < metrics.dual_clip_fraction < 1.0
+    assert GRPOTrainer(tiny_policy(0), GRPOConfig(), on_policy=False).step(stale).dual_clip_fraction == 0.0
+
+
 def test_ratio_metrics_are_one_on_policy_and_the_guard_refuses_a_stale_batch(
     tiny: TinyVLM, batch: TrainBatch
 ) -> None:

@@ -172,6 +172,67 @@ def test_kl_estimators_are_schulmans(estimator: str) -> None:
     assert stats["ref_kl_sum"] == pytest.approx(float(want[0, :2].sum()))
 
 
+def test_low_var_kl_clamps_k3_at_10_and_bias_correction_weighs_the_term_by_the_ratio() -> None:
+    """Both options on a step: low_var_kl's value stops at 10 (tokens with ``ref - new > 2.61``), and
+    the bias-corrected term is ``exp(new - old) * k3`` (docs/grpo.md; tests/peers: verl's and TRL's)."""
+    new = torch.tensor([[-1.0, -4.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.5, -4.0, -0.2]])
+    ref = torch.tensor([[-1.2, -0.5, -0.5]])  # r = ref - new: -0.2, 3.5 (k3 = 29.6), 0.0
+    mask = torch.ones(1, 3)
+    k3 = kl_estimate(new.detach(), ref, "k3")
+    assert float(k3[0, 1]) > 10
+    low = kl_estimate(new.detach(), ref, "low_var_kl")
+    assert low[0].tolist() == pytest.approx([float(k3[0, 0]), 10.0, 0.0])
+
+    def kl_loss(**kwargs: Any) -> float:
+        loss, _ = grpo_token_loss(new, old, torch.zeros(1), mask, ref_logprobs=ref, kl_coef=1.0, **kwargs)
+        return float(loss.detach())
+
+    ratio = torch.exp(new.detach() - old)
+    assert kl_loss() == pytest.approx(float(k3.mean()))
+    assert kl_loss(kl_estimator="low_var_kl") == pytest.approx(float(low.mean()))
+    assert kl_loss(kl_bias_correction=True) == pytest.approx(float((ratio * k3).mean()))
+
+
+def test_the_objective_options_are_run_config_settings() -> None:
+    """``--set trainer.clip_ratio_c=3`` and friends reach the trainer's config; bad values are refused."""
+    from gymbridge.errors import ConfigError
+    from gymbridge.run import load_run_config
+
+    sets = [
+        ("trainer.clip_ratio_c", 3.0),
+        ("trainer.kl_estimator", "low_var_kl"),
+        ("trainer.kl_bias_correction", True),
+    ]
+    cfg = load_run_config([], sets)
+    assert (cfg.trainer.clip_ratio_c, cfg.trainer.kl_estimator, cfg.trainer.kl_bias_correction) == (
+        3.0,
+        "low_var_kl",
+        True,
+    )
+    assert (GRPOConfig().clip_ratio_c, GRPOConfig().kl_bias_correction) == (None, False)  # off by default
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        load_run_config([], [("trainer.clip_ratio_c", 1.0)])
+
+
+def test_lr_schedule_is_one_update_ahead_of_transformers_zero_indexed_scheduler() -> None:
+    """Update ``k`` runs at ``lr_at(k)``; transformers' ``LambdaLR`` runs update ``k`` at its step
+    ``k - 1`` (the first at lr 0), so ours is theirs one update later (docs/grpo.md)."""
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    cfg = GRPOConfig(lr=2e-3, lr_warmup_steps=10, lr_schedule="cosine", lr_decay_steps=40, lr_min_ratio=0.1)
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=cfg.lr)
+    sched = get_cosine_with_min_lr_schedule_with_warmup(opt, 10, 40, min_lr_rate=0.1)
+    theirs = []
+    for _ in range(41):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert theirs[0] == 0.0
+    assert [cfg.lr_at(k) for k in range(1, 41)] == pytest.approx(theirs[1:], rel=1e-12)
+
+
 def test_the_kl_term_pulls_a_drifted_policy_back_to_the_reference(tiny: TinyVLM) -> None:
     model = tiny_policy(0)
     batch = _varied_batch(tiny)
