@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build .venv-verl: a separate virtual environment holding verl 0.9.1 and gymbridge, used only by the
-# verl adapter tests (tests/integrations/test_verl_*.py run scripts inside it as subprocesses).
+# Build .venv-verl: a separate virtual environment holding verl 0.9.1, TRL 1.16.0 and gymbridge, used only
+# by the verl adapter tests (tests/integrations/test_verl_*.py run scripts inside it as subprocesses) and
+# the peers suite (tests/peers: gymbridge's objective beside verl's and TRL's own functions).
 # verl pins transformers<5.11 (gymbridge's .venv has a newer one), and its wheel lacks cachetools,
 # fastapi and uvicorn, which `verl.experimental.agent_loop` imports; the lock adds them.
 #
@@ -41,7 +42,7 @@ fail() {  # one clear line, on stdout and in the note the verl tests' skip reaso
 }
 [ -f "$REQ" ] || fail "lock file $REQ not found"
 lock_sha=$(sha256sum "$REQ" | cut -d' ' -f1)
-want="$lock_sha $(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1) verl==0.9.1"
+want="$lock_sha $(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1) verl==0.9.1 trl==1.16.0"
 if [ "${VERL_FORCE:-0}" != "1" ] && [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$want" ]; then
     echo "== verl venv up to date ($VENV)"
     exit 0
@@ -72,8 +73,11 @@ check() {  # pip check, then import what the verl tests use (fail here rather th
 import verl, transformers, torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopWorker, AgentLoopOutput
 import gymbridge.integrations.verl as v; v.GymAgentLoop
+from verl.trainer.ppo import core_algos
+from trl.trainer.grpo_trainer import GRPOTrainer
 from importlib.metadata import version
 assert version('verl') == '0.9.1', version('verl')
+assert version('trl') == '1.16.0', version('trl')
 ")
 }
 

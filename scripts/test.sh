@@ -46,7 +46,7 @@ if [ -x scripts/setup_verl_venv.sh ] && [ "${GYMBRIDGE_SKIP_VERL:-0}" != "1" ]; 
     bash scripts/setup_verl_venv.sh >"$VERL_LOG" 2>&1 &
     verl_pid=$!
 fi
-VERL_TESTS=tests/integrations/test_verl_agent_loop.py
+VERL_TESTS=(tests/integrations/test_verl_agent_loop.py tests/peers)  # both run in .venv-verl
 # an early exit (a failed install, lint) waits for them rather than leaving them building alone
 trap 'for p in $gym_pid $vllm_pid $verl_pid; do wait "$p" 2>/dev/null || true; done' EXIT
 
@@ -133,7 +133,7 @@ case "$workers" in '' | *[!0-9]*) echo "!! GYMBRIDGE_TEST_WORKERS=$workers is no
 if [ $# -eq 0 ] && [ "$workers" -gt 1 ]; then parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 # The plain command leaves tests/vllm and the verl tests for last (their venvs may still be building);
 # with arguments, pytest runs exactly them (after both venvs are ready).
-if [ $# -eq 0 ]; then default=(--ignore=tests/vllm --ignore="$VERL_TESTS"); else default=(); wait_vllm; wait_verl; fi
+if [ $# -eq 0 ]; then default=(--ignore=tests/vllm --ignore="${VERL_TESTS[0]}" --ignore="${VERL_TESTS[1]}"); else default=(); wait_vllm; wait_verl; fi
 echo "== pytest${parallel[*]:+ ${parallel[*]}} ${default[*]}"
 set +e
 "$VENV/bin/python" -m pytest ${parallel[@]+"${parallel[@]}"} ${default[@]+"${default[@]}"} "$@"
@@ -152,9 +152,9 @@ if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
 fi
 if [ $rc -eq 0 ] && [ $# -eq 0 ]; then
     wait_verl
-    echo "== pytest $VERL_TESTS (verl 0.9.1's agent-loop post-processing, in .venv-verl)"
+    echo "== pytest ${VERL_TESTS[*]} (verl 0.9.1's agent-loop post-processing; the objective beside verl's and TRL's, in .venv-verl)"
     set +e
-    "$VENV/bin/python" -m pytest "$VERL_TESTS"
+    "$VENV/bin/python" -m pytest "${VERL_TESTS[@]}"
     rc=$?
     set -e
 fi

@@ -180,6 +180,10 @@ def gym_wheel_data() -> Path:
     return path
 
 
+VERL_STAMP_SUFFIX = "verl==0.9.1 trl==1.16.0"
+"""What scripts/setup_verl_venv.sh's stamp ends with once the venv holds both (tests/peers needs TRL)."""
+
+
 def verl_venv_problem(venv: Path | None = None) -> str | None:
     """Why ``.venv-verl`` (verl 0.9.1 + gymbridge: ``scripts/setup_verl_venv.sh``) is unusable, or ``None``.
 
@@ -192,8 +196,8 @@ def verl_venv_problem(venv: Path | None = None) -> str | None:
     problem: str | None = None
     if not (venv / "bin" / "python").exists():
         problem = f"{venv} is absent: run `bash scripts/setup_verl_venv.sh` to build the verl 0.9.1 venv"
-    elif not (stamp.exists() and stamp.read_text().strip().endswith("verl==0.9.1")):
-        problem = f"{venv} is incomplete (no stamp for verl==0.9.1): rerun `bash scripts/setup_verl_venv.sh`"
+    elif not (stamp.exists() and stamp.read_text().strip().endswith(VERL_STAMP_SUFFIX)):
+        problem = f"{venv} is incomplete (no stamp for {VERL_STAMP_SUFFIX}): rerun `bash scripts/setup_verl_venv.sh`"
     note = root / ".cache" / "verl-setup-failed"
     if problem and note.exists():
         problem += f"; last setup failure: {note.read_text(errors='replace').strip()[-500:]}"

@@ -1,4 +1,4 @@
-"""Run inside ``.venv-peers``: verl's and TRL's own objective functions on the cases given on stdin.
+"""Run inside ``.venv-verl``: verl's and TRL's own objective functions on the cases given on stdin.
 
 Reads ``{"cases": [...]}`` (JSON) on stdin and prints ``{"results": [...]}`` (JSON), one result
 per case, computed by the peers' installed code (verl 0.9.1, TRL 1.16.0), never by a copy of it:

@@ -1,7 +1,7 @@
 """gymbridge's objective against verl's and TRL's own functions, case by case (docs/grpo.md).
 
 Each case runs once through the peer's installed function (``peer_objective.py`` in
-``.venv-peers``) and once through gymbridge's (:func:`~gymbridge.trainer.grpo.grpo_token_loss`,
+``.venv-verl``) and once through gymbridge's (:func:`~gymbridge.trainer.grpo.grpo_token_loss`,
 :func:`~gymbridge.trainer.grpo.kl_estimate`, :func:`~gymbridge.tensors.batch.group_advantages`,
 ``GRPOConfig.lr_at``), in float64: the loss and its gradient with respect to the new logprobs
 must agree where the docs say the two agree, and differ exactly as the docs say where they do
@@ -11,6 +11,7 @@ not (a row without loss tokens in TRL's ``grpo`` mean, a group of one, the lr sc
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,10 +159,10 @@ def _cases() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def peers() -> dict[tuple[str, str], dict[str, Any]]:
+def peers(verl_python: Path) -> dict[tuple[str, str], dict[str, Any]]:
     """Every case's result from verl / TRL, by ``(kind, id)``: one subprocess for the module."""
     cases = _cases()
-    results = run_peers(cases)
+    results = run_peers(verl_python, cases)
     return {(c["kind"], c["id"]): r for c, r in zip(cases, results, strict=True)}
 
 
