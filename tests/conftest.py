@@ -197,7 +197,8 @@ def verl_venv_problem(venv: Path | None = None) -> str | None:
     if not (venv / "bin" / "python").exists():
         problem = f"{venv} is absent: run `bash scripts/setup_verl_venv.sh` to build the verl 0.9.1 venv"
     elif not (stamp.exists() and stamp.read_text().strip().endswith(VERL_STAMP_SUFFIX)):
-        problem = f"{venv} is incomplete (no stamp for {VERL_STAMP_SUFFIX}): rerun `bash scripts/setup_verl_venv.sh`"
+        fix = "rerun `bash scripts/setup_verl_venv.sh`"
+        problem = f"{venv} is incomplete (no stamp for {VERL_STAMP_SUFFIX}): {fix}"
     note = root / ".cache" / "verl-setup-failed"
     if problem and note.exists():
         problem += f"; last setup failure: {note.read_text(errors='replace').strip()[-500:]}"
