@@ -1042,13 +1042,17 @@ class GRPOTrainer:
 
 
 def log_skipped_step(batch: TrainBatch, reason: SkipReason) -> None:
-    """Say that the update on ``batch`` is skipped (optimizer untouched) and why (:func:`skip_reason`)."""
+    """Say that the update on ``batch`` is skipped (optimizer untouched) and why (:func:`skip_reason`).
+
+    At DEBUG: ``StepMetrics.skipped`` carries the reason and the run's step line says ``skipped``,
+    so at INFO this line only interleaved with the step lines of every run.
+    """
     why = (
         "has no loss token (every row masked or empty)"
         if reason == "no_loss_tokens"
         else "has zero advantage on every row (each group's rewards were all equal)"
     )
-    logger.info(
+    logger.debug(
         "GRPO step skipped: the batch of %d row(s) %s; the optimizer is not stepped, so momentum and "
         "weight decay do not move the weights",
         len(batch),
