@@ -35,8 +35,7 @@ server's media cache counters (fetches, decodes and processor calls per content 
 bytes the media server served.
 
 Boundaries: ``prompt_repeat`` (the prompts' media repeated G times), ``rollout_to_policy``
-(the whole ``TrainBatch``), ``policy_shard`` (the largest shard at DP = 2 and 8), and
-``replay_checkpoint`` (the replay buffer's content: one ``TrainBatch`` per group). Each
+(the whole ``TrainBatch``) and ``policy_shard`` (the largest shard at DP = 2 and 8). Each
 ratio (bytes off / bytes on) is printed beside its ideal: logical bytes / unique bytes,
 where both sides count every non-media tensor once (tokens cannot be deduplicated) and
 media by reference (logical) or by unique segment (unique). Ratios are measured within
@@ -432,8 +431,7 @@ def _dense_nbytes(batch: TrainBatch) -> int:
 
 def _ideal(obj: Any) -> float:
     """(non-media tensor bytes + logical media bytes) / (non-media tensor bytes + unique media bytes)."""
-    batches = obj if isinstance(obj, list) else [obj]
-    dense = sum(_dense_nbytes(b) for b in batches if isinstance(b, TrainBatch))
+    dense = _dense_nbytes(obj) if isinstance(obj, TrainBatch) else 0
     stats = payload_stats(obj)
     return (dense + stats.logical_media_bytes) / (dense + stats.physical_media_bytes)
 
@@ -498,7 +496,6 @@ def measure_boundaries(
     b_on: TrainBatch,
     b_off: TrainBatch,
     g: int,
-    prompts: int,
     variant: str,
     dtype_name: str,
     results: list[dict[str, Any]],
@@ -518,9 +515,6 @@ def measure_boundaries(
         sizes = [_bytes(sh) for sh in shards_on]
         worst = sizes.index(max(sizes))
         rows.append((f"policy_shard DP={dp} max", shards_on[worst], shards_off[worst]))
-    groups_on = [b_on.select(torch.nonzero(b_on.group_ids == k).reshape(-1)) for k in range(prompts)]
-    groups_off = [b_off.select(torch.nonzero(b_off.group_ids == k).reshape(-1)) for k in range(prompts)]
-    rows.append(("replay_checkpoint", groups_on, groups_off))
     for name, obj_on, obj_off in rows:
         n_on, n_off = _bytes(obj_on), _bytes(obj_off)
         ratio, ideal = n_off / n_on, _ideal(obj_on)
@@ -585,7 +579,7 @@ def run_av(prompts: int, g: int, results: list[dict[str, Any]]) -> list[str]:
         trajs, processor = av_trajectories(modality, prompts, g)
         on = TrainBatch.from_trajectories(trajs, MediaProcessor(processor), group_size=g, dedup=True)
         off = TrainBatch.from_trajectories(trajs, MediaProcessor(processor), group_size=g, dedup=False)
-        lines.extend(measure_boundaries(on, off, g, prompts, modality, "fp32", results))
+        lines.extend(measure_boundaries(on, off, g, modality, "fp32", results))
     return lines
 
 
@@ -616,7 +610,7 @@ def run_config(
     for dtype_name, cast in (("fp32", None), ("bf16", torch.bfloat16)):
         b_on = on if cast is None else on.cast_media(cast)
         b_off = off if cast is None else off.cast_media(cast)
-        lines.extend(measure_boundaries(b_on, b_off, g, prompts, variant, dtype_name, results))
+        lines.extend(measure_boundaries(b_on, b_off, g, variant, dtype_name, results))
     t_shard_on, t_shard_off = _best_interleaved(lambda: on.shard(8), lambda: off.shard(8), max(15, repeats))
     t_pk_on, t_pk_off = _best_interleaved(
         lambda: _pickle_and_copy(on), lambda: _pickle_and_copy(off), repeats, 1

@@ -38,13 +38,11 @@ exceptions (``TypeError``, ``ValueError``).
     ├── ServeError             a server cannot listen: port out of range, in use,
     │                          or not permitted (``host``, ``port``)
     ├── BridgeError            the bridge cannot go on
-    │   ├── BridgeStalledError too many consecutive failed groups, or none
-    │   │                      completed (``failures``: the latest records)
-    │   └── ReplayCheckpointError  (also a CheckpointError, below)
+    │   └── BridgeStalledError too many consecutive failed groups, or none
+    │                          completed (``failures``: the latest records)
     ├── CheckpointError        a state file (``gymbridge.safe_io``) is missing,
-    │   │                      truncated, corrupt (sha256 mismatch) or of another
-    │   │                      format; ``path`` and ``reason`` say which and why
-    │   └── ReplayCheckpointError  a replay checkpoint cannot be used
+    │                          truncated, corrupt (sha256 mismatch) or of another
+    │                          format; ``path`` and ``reason`` say which and why
     ├── IntegrationError       another trainer (TRL, verl) cannot carry what it was given
     │   ├── ChatTemplateMediaError  the processor's chat template drops the images of
     │   │                      tool messages (the trainer would train without their pixels)
@@ -95,7 +93,6 @@ __all__ = [
     "MediaPolicyError",
     "PolicyDriftError",
     "ProtocolError",
-    "ReplayCheckpointError",
     "ResumeError",
     "SamplingMismatchError",
     "ServeError",
@@ -306,10 +303,6 @@ class CheckpointError(GymbridgeError):
         super().__init__(f"checkpoint {path}: {reason}")
         self.path = str(path)
         self.reason = reason
-
-
-class ReplayCheckpointError(CheckpointError, BridgeError):
-    """A replay checkpoint cannot be read (missing, truncated, corrupt, or of another format version)."""
 
 
 class IntegrationError(GymbridgeError):

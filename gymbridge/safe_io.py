@@ -1,6 +1,6 @@
 """Safe on-disk state: atomic writes and checkpoints that cannot run code when loaded.
 
-Two pieces, for everything gymbridge writes to disk and reads back (replay buffers, run
+Two pieces, for everything gymbridge writes to disk and reads back (run
 checkpoints):
 
 * :func:`write_atomic` writes a file through a temporary file in the same directory

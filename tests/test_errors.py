@@ -24,8 +24,6 @@ from gymbridge import errors as E
         (E.ConfigError, E.GymbridgeError),
         (E.BridgeError, E.GymbridgeError),
         (E.BridgeStalledError, E.BridgeError),
-        (E.ReplayCheckpointError, E.BridgeError),
-        (E.ReplayCheckpointError, E.CheckpointError),
         (E.CheckpointError, E.GymbridgeError),
         (E.TrainingError, E.GymbridgeError),
         (E.PolicyDriftError, E.TrainingError),

@@ -144,7 +144,7 @@ def test_non_json_meta_is_a_type_error() -> None:
 
 def test_regression_stale_temp_of_a_killed_save_is_removed_at_next_save_and_load(tmp_path: Path) -> None:
     """A save killed mid-write left its temp file behind forever (213 MiB in one run)."""
-    path = tmp_path / "replay.ckpt"
+    path = tmp_path / "state.ckpt"
     code = (
         "import os, sys\n"
         "from gymbridge.safe_io import write_atomic\n"
@@ -157,12 +157,12 @@ def test_regression_stale_temp_of_a_killed_save_is_removed_at_next_save_and_load
     stale = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     assert len(stale) == 1 and stale[0].stat().st_size == 100000
     save_state(path, TENSORS, META)
-    assert [p.name for p in tmp_path.iterdir()] == ["replay.ckpt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["state.ckpt"]
 
     subprocess.run([sys.executable, "-c", code], check=False)
     assert len(list(tmp_path.iterdir())) == 2
     load_state(path)
-    assert [p.name for p in tmp_path.iterdir()] == ["replay.ckpt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["state.ckpt"]
 
 
 def test_temp_of_a_live_writer_is_kept(tmp_path: Path) -> None:

@@ -1,11 +1,10 @@
-"""The bridge: dataset rows -> G rollouts per prompt -> ``TrainBatch`` es, plus a replay buffer.
+"""The bridge: dataset rows -> G rollouts per prompt -> ``TrainBatch`` es.
 
 Public API (stable): :class:`BridgeIterator` (sync and async iteration; :meth:`~BridgeIterator.next_batch`
 gives each batch with what a step reports, a :class:`BridgeBatch`, its :class:`BatchTimings` included),
 its settings :class:`BridgeConfig`, :class:`BridgeStats`,
 :class:`BridgeStalledError`, the rollout sources :class:`GymRollouts` (agent ``/run``) and
-:class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`, :class:`ReplayBuffer`
-(atomic checkpoints) and :func:`write_atomic`; :class:`RowReferencer` (media by reference:
+:class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`; :class:`RowReferencer` (media by reference:
 a prompt's inline media stored once, the G rows carry references); toy shaping and seeds:
 :class:`TokenRateShaping` / :class:`ShapingConfig` (a ``reward_fn``),
 :func:`rollout_seed`, :class:`PromptSeededGenerator`. See ``docs/bridge.md``.
@@ -24,10 +23,8 @@ from gymbridge.bridge.iterator import (
     GroupResult,
     read_rows,
 )
-from gymbridge.bridge.replay import ReplayBuffer, ReplayCheckpointError
 from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
 from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord, RolloutSource, indexed_rows
-from gymbridge.safe_io import write_atomic
 
 __all__ = [
     "BatchTimings",
@@ -40,8 +37,6 @@ __all__ = [
     "GymRollouts",
     "NativeRollouts",
     "PromptSeededGenerator",
-    "ReplayBuffer",
-    "ReplayCheckpointError",
     "RolloutRecord",
     "RolloutSource",
     "RowReferencer",
@@ -50,5 +45,4 @@ __all__ = [
     "indexed_rows",
     "read_rows",
     "rollout_seed",
-    "write_atomic",
 ]

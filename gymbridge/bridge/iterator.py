@@ -88,7 +88,6 @@ from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.errors import BridgeStalledError, TrajectoryError
 
 if TYPE_CHECKING:
-    from gymbridge.bridge.replay import ReplayBuffer
     from gymbridge.media import MediaPolicy
     from gymbridge.metrics import PayloadMeter
     from gymbridge.tensors import MediaProcessor, TrainBatch
@@ -180,7 +179,7 @@ class BatchTimings:
     postprocess_s: float = 0.0
     build_s: float = 0.0
     assemble_s: float = 0.0
-    """Concatenating the groups' batches into the yielded one (``cat_groups``)."""
+    """Concatenating the groups' batches into the yielded one (``TrainBatch.cat(..., renumber=True)``)."""
     groups: int = 0
     """Groups consumed for the batch (trained or dropped)."""
     rollouts: int = 0
@@ -267,7 +266,6 @@ class BridgeIterator:
         media_policy: what media references may be fetched while postprocessing results.
         failures_path: append every failure record (rollout and group) as one jsonl line.
         meter: payload metrics (``rollout_to_policy`` here; the source records its own).
-        replay: every yielded batch is also pushed into this buffer.
         placeholder_token_ids: media placeholder ids a rollout must never *generate* (default: the
             processor's image / video / audio placeholders; pass every placeholder the model knows).
         reward_fn: reward shaping (length penalty, format bonus, ...): the trained reward becomes
@@ -286,7 +284,6 @@ class BridgeIterator:
         media_policy: MediaPolicy | None = None,
         failures_path: str | Path | None = None,
         meter: PayloadMeter | None = None,
-        replay: ReplayBuffer | None = None,
         placeholder_token_ids: Iterable[int] | None = None,
         reward_fn: Callable[[Trajectory], float] | None = None,
         skip_task_indices: Iterable[int] = (),
@@ -297,7 +294,6 @@ class BridgeIterator:
         self.media_policy = media_policy
         self.failures_path = Path(failures_path) if failures_path is not None else None
         self.meter = meter
-        self.replay = replay
         if placeholder_token_ids is None and processor is not None:
             found = (processor.placeholder_token_id(m) for m in ("image", "video", "audio"))
             placeholder_token_ids = [t for t in found if t is not None]
@@ -742,8 +738,6 @@ class BridgeIterator:
         self.stats.batches += 1
         if self.meter is not None:
             self.meter.record("rollout_to_policy", batch)
-        if self.replay is not None:
-            self.replay.push(batch)
         return BridgeBatch(
             batch=batch,
             groups=groups,
@@ -849,9 +843,11 @@ class BridgeIterator:
         )
 
     def _assemble(self, groups: list[GroupResult]) -> TrainBatch:
-        from gymbridge.bridge.replay import cat_groups
+        from gymbridge.tensors import TrainBatch
 
-        return cat_groups([g.batch for g in groups if g.batch is not None])
+        # each group's batch has group ids 0 and sample ids 0..n-1 (``_build``): renumbering
+        # gives group k the id k and keeps sample ids unique across groups
+        return TrainBatch.cat([g.batch for g in groups if g.batch is not None], renumber=True)
 
     def __iter__(self) -> Iterator[TrainBatch]:
         loop = asyncio.new_event_loop()

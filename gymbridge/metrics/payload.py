@@ -18,7 +18,7 @@ segment / reference counts:
 
 ``PayloadMeter`` accumulates those stats per named boundary (docs/design.md, "Payload boundaries":
 ``gym_request``, ``gym_return``, ``prompt_repeat``, ``rollout_to_policy``,
-``replay_push``, ``replay_sample``, ``policy_shard``, ``generation``, and ``model_request``:
+``policy_shard``, ``generation``, and ``model_request``:
 agent -> model server JSON, recorded by the agent with :meth:`PayloadMeter.record_stats`), with per-shard
 totals and maxima. It is **off by default** (measuring costs one serialisation per
 record) and prints a table.
@@ -55,8 +55,6 @@ BOUNDARIES: tuple[str, ...] = (
     "gym_return",
     "prompt_repeat",
     "rollout_to_policy",
-    "replay_push",
-    "replay_sample",
     "policy_shard",
     "generation",
     "model_request",

@@ -13,8 +13,8 @@ A step (:meth:`RayDPTrainer.step`):
 1. the driver splits the batch with ``batch.shard(num_workers)`` (whole GRPO groups where the
    sizes allow, balanced by sequence tokens), casts each shard's floating media to the
    policy's dtype (``GRPOConfig.dtype``, through the per-key table of
-   :meth:`~gymbridge.tensors.TrainBatch.cast_media`; the batch itself, and with it replay and
-   what the Gym returned, keeps its dtype), and sends each worker its shard: deduplicated
+   :meth:`~gymbridge.tensors.TrainBatch.cast_media`; the batch itself, and with it what the
+   Gym returned, keeps its dtype), and sends each worker its shard: deduplicated
    (only the media segments its rows reference, once; pickle protocol 5, storage out of
    band), recorded at the ``policy_shard`` boundary of the ``PayloadMeter``;
 2. every worker accumulates its shard's gradients over its micro-batches locally
@@ -149,7 +149,7 @@ def _to_cpu(value: Any) -> Any:
 def policy_shards(batch: TrainBatch, num_workers: int, dtype: torch.dtype) -> list[TrainBatch]:
     """What crosses to the workers: ``batch.shard(num_workers)`` with floating media cast to ``dtype``.
 
-    ``batch`` itself is not changed (replay and the Gym's return keep their dtype).
+    ``batch`` itself is not changed (the Gym's return keeps its dtype).
     """
     return [s.cast_media(dtype) for s in batch.shard(num_workers, group_aware=True)]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from bridge_helpers import FakeAgent, make_rows
 
-from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts, ReplayBuffer
+from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.metrics import PayloadMeter
 from gymbridge.tensors import MediaProcessor
@@ -185,24 +185,6 @@ async def test_a_dataset_with_no_completed_group_raises(
     classes = it.stats.failure_classes
     assert classes == {"gym_data": 2, "bad_row": 2}
     assert it.stats.groups_failed == 2
-
-
-async def test_batches_feed_the_replay_buffer(tiny: TinyVLM, processor: MediaProcessor) -> None:
-    agent = FakeAgent(tiny, _alternating)
-    replay = ReplayBuffer(capacity_groups=3)
-    async with _client(agent) as client:
-        it = BridgeIterator(
-            make_rows(4),
-            GymRollouts(client),
-            processor,
-            BridgeConfig(
-                group_size=2, prompts_per_step=2, min_group_size=None, max_consecutive_failed_groups=8
-            ),
-            replay=replay,
-        )
-        _ = [b async for b in it]
-    assert len(replay) == 3 and replay.pushed_groups == 4 and replay.evicted_groups == 1
-    assert [g.metadata[0]["task_index"] for g in replay.groups] == [1, 2, 3]
 
 
 async def test_regression_sampled_image_placeholder_is_a_recorded_failure(

@@ -161,7 +161,7 @@ def test_policy_shards_cast_floating_media_only_and_leave_the_batch_alone(batch:
     half = meter.report()["policy_shard"].physical_media_bytes
     grid = sum(s.media["image_grid_thw"].physical_nbytes for s in batch.shard(2))
     assert half - grid == (full - grid) // 2  # the pixels cross in half the bytes
-    assert batch.media["pixel_values"].dtype == torch.float32  # replay / the Gym return keep theirs
+    assert batch.media["pixel_values"].dtype == torch.float32  # the Gym return keeps its dtype
 
 
 def test_regression_dp_step_without_loss_tokens_moves_no_weights(
