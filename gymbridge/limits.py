@@ -1,8 +1,7 @@
 """One JSON nesting limit for every body gymbridge accepts.
 
 orjson *reads* 1024 levels but *writes* only 254: a body nested deeper than that parses,
-then fails when it is echoed (a verify result holds the whole row), which used to surface
-as HTTP 500 from the agent and a ``TypeError`` out of ``GymClient.run``. Every body
+then fails when it is echoed (a verify result holds the whole row). Every body
 gymbridge accepts — requests of the server SDK, the agent and the model server, inner
 servers' replies read by the agent and the native loop, the client's rows and the agent's
 results — is held to :data:`MAX_JSON_DEPTH`, well below orjson's writing limit so a body at

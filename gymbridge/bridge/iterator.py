@@ -1,72 +1,32 @@
 """``BridgeIterator``: dataset rows -> G rollouts per prompt -> group advantages -> ``TrainBatch``.
 
 One prompt (dataset row) becomes ``group_size`` rollouts through a
-:class:`~gymbridge.bridge.sources.RolloutSource` (the Gym path or the native path). Each
-``/run``-shaped result is postprocessed **once** by
-:func:`~gymbridge.trajectory.from_gym_result`; when a group is complete its trajectories
-become one per-group :class:`~gymbridge.tensors.TrainBatch` (media processed once per
-content key for the whole group by the :class:`~gymbridge.tensors.MediaProcessor`, group
-advantages computed), and ``prompts_per_step`` groups are concatenated into the batch
-that is yielded (media re-interned by provenance, group ids ``0..P-1`` in batch order).
+:class:`~gymbridge.bridge.sources.RolloutSource` (the Gym path or the native path); each result is
+postprocessed once by :func:`~gymbridge.trajectory.from_gym_result`; a complete group becomes one
+per-group :class:`~gymbridge.tensors.TrainBatch` (media processed once per content key, group
+advantages computed), and ``prompts_per_step`` groups are concatenated into the batch that
+:meth:`~BridgeIterator.next_batch` returns as a :class:`BridgeBatch`. Sync iteration runs on a
+private event loop, async iteration on the caller's.
 
 Invariants:
 
-* **nothing disappears**: every rollout is a trajectory in a yielded batch, a failure record
-  (class + reason) in :attr:`BridgeIterator.failures` / the failures jsonl, or listed in its
-  failed group's record (``dropped_rollouts``); every prompt is either a group in a yielded
-  batch or a failed-group record. A rollout whose trajectory breaks the group's batch build
-  (placeholder mismatch, undecodable media) is isolated and recorded on its own;
-  ``stats.prompts_started == stats.groups_completed + stats.groups_failed +
-  stats.groups_dropped + stats.groups_dropped_stale + stats.groups_zero_variance_dropped``
-  once the iterator is drained or
-  stopped (``groups_dropped``: completed groups of a final partial batch discarded by
-  ``drop_last``, and every prompt started but not yielded when the iterator stops, by
-  :class:`BridgeStalledError`, :meth:`~BridgeIterator.aclose` or the caller cancelling
-  ``__anext__``: completed groups not yet in a batch and groups cancelled in flight, each
-  recorded as a ``drop_last`` / ``bridge_stopped`` group record, and every rollout of a group
-  cancelled in flight as a rollout record of class ``cancelled``, ``stats.rollouts_cancelled``);
-* any exception of one rollout (a source, postprocessing or batch-build failure, a
-  gymbridge error or not) is that rollout's failure record, never an exception through
-  the iterator;
-* a group with failed rollouts is completed from its successful ones when at least
-  ``min_group_size`` succeeded (advantages over those), otherwise the group is reported
-  as failed (never trained on);
-* the iterator never yields an empty batch: ``max_consecutive_failed_groups`` failed groups
-  in a row raise :class:`BridgeStalledError` (a dead agent, a broken model server), and so
-  does a dataset that ends without a single completed group;
-* a rollout that *generated* a media placeholder token is a failure
-  (``GeneratedPlaceholderToken``): the VLM could not teacher-force it against its media;
-* **bounded staleness** (``max_staleness = k``): rollouts for a batch start when it, or one of
-  the ``k`` batches before it, is asked for, so with ``k = 0`` (the default) nothing runs ahead
-  and a trainer that updates the generator's weights between batches stays on-policy; with
-  ``k > 0`` the groups of the next ``k`` batches keep running while the caller trains (across
-  weight updates). A group is trained only if ``policy_version - oldest`` is at most ``k``
-  for each of its trajectories, where :attr:`BridgeIterator.policy_version` is the trainer's
-  version (the caller sets it before asking for a batch) and ``oldest`` is the oldest policy
-  version among the trajectory's turns (``Trajectory.oldest_policy_version``; the version the
-  iterator had when the group started when the generator does not stamp versions). An older
-  group is dropped: every rollout is recorded with class ``stale``, the group with class
-  ``stale`` (``stats.groups_dropped_stale``), never trained silently. ``drop_stale=False``
-  (only meaningful on-policy, ``k = 0``) hands such a group to the trainer instead, with its
-  ``staleness`` set, for a drift guard to fail the step loudly (an on-policy generator that
-  lags is a broken weight sync, not data to drop);
-* **resumable position**: :attr:`BridgeIterator.done_task_indices` are the rows whose group
-  was consumed (trained, failed or dropped); ``skip_task_indices`` (a resumed run's done rows)
-  are never started again. Groups in flight are not done: a resumed run starts them afresh;
-* **dynamic sampling** (DAPO, Yu et al. 2025, arXiv:2503.14476; ``dynamic_sampling=True``): a
-  completed group whose trainable rewards are all equal (zero advantages: no policy-gradient
-  signal) is not put in the batch: it is recorded (class ``zero_variance``, its rewards and
-  rollouts; ``stats.groups_zero_variance_dropped``, :attr:`BridgeBatch.dropped_zero_variance`)
-  and the iterator draws another prompt in its place. At most
-  ``dynamic_sampling_max_rounds x prompts_per_step`` groups are dropped per batch (that many
-  extra rounds of prompts); once the budget is spent, further zero-variance groups are trained
-  as without dynamic sampling (a warning says so), so a batch never stalls on a task the
-  policy always or never solves;
-* ``_ng_task_index`` is the row's position in the dataset; rows are never mutated.
+* **nothing disappears**: every rollout is a trajectory in a yielded batch, a failure record, or
+  listed in its group's record; every prompt is a group in a batch or a group record, so
+  ``stats.prompts_started`` equals the groups completed, failed and dropped (every kind) once the
+  iterator is drained or stopped;
+* any exception of one rollout is that rollout's failure record, never an exception through the
+  iterator; a group is completed from at least ``min_group_size`` successful rollouts, else it
+  fails (never trained on); a rollout that generated a media placeholder token is a failure;
+* the iterator never yields an empty batch: ``max_consecutive_failed_groups`` failed groups in a
+  row, or a dataset without a completed group, raise :class:`BridgeStalledError`;
+* **bounded staleness** (``max_staleness = k``): nothing runs more than ``k`` batches ahead, and a
+  group more than ``k`` versions behind :attr:`BridgeIterator.policy_version` is dropped as
+  ``stale`` (or, with ``drop_stale=False`` on-policy, handed on for the drift guard to fail);
+* :attr:`BridgeIterator.done_task_indices` is the resumable position; ``skip_task_indices`` are
+  never started again; rows are never mutated.
 
-Sync iteration (``for batch in it``) runs the async machinery on a private event loop;
-async iteration (``async for``) uses the caller's loop. Library code logs; progress bars
-belong to the launcher.
+Dynamic sampling, the failure records and the statistics in detail: docs/bridge.md ("Library
+API") and docs/grpo.md ("Dynamic sampling"); staleness and resume: docs/loop.md.
 """
 
 from __future__ import annotations

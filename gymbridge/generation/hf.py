@@ -1,49 +1,28 @@
 """``HFGenerator``: the transformers backend (CPU here, GPU elsewhere), token in / token out.
 
-Takes :class:`~gymbridge.trajectory.types.GenerationInput` s whose prompts already
-hold expanded media placeholders; the media (``multi_modal_data["image"]`` /
-``["video"]`` / ``["audio"]``: all media of the conversation so far, in order) go through
-the model's sub-processors one medium at a time, with the function the trainer's batches
-use (:func:`~gymbridge.tensors.processor.process_decoded`), and reach the model under the
-names its ``forward`` takes (``pixel_values`` / ``image_grid_thw``, ``pixel_values_videos`` /
-``video_grid_thw`` / ``video_second_per_grid``, ``input_features`` /
-``feature_attention_mask``). Works with the tiny offline Qwen2-VL (:meth:`HFGenerator.tiny`),
-the tiny offline Qwen2.5-Omni thinker (:meth:`HFGenerator.tiny_omni`), and with any Hugging
-Face VLM or causal LM saved at a local path (:meth:`HFGenerator.from_pretrained`).
+Takes :class:`~gymbridge.trajectory.types.GenerationInput` s whose prompts already hold expanded
+media placeholders; the media (all of the conversation so far, in order) go through the model's
+sub-processors with the function the trainer's batches use
+(:func:`~gymbridge.tensors.processor.process_decoded`) and reach the model under the names its
+``forward`` takes. Works with the tiny offline Qwen2-VL (:meth:`HFGenerator.tiny`), the tiny
+Qwen2.5-Omni thinker (:meth:`HFGenerator.tiny_omni`) and any local Hugging Face VLM or causal LM
+(:meth:`HFGenerator.from_pretrained`).
 
 Invariants:
 
-* requests are batched (left padding, up to ``max_batch_size`` rows per forward);
-  ``max_tokens`` is lowered per row to what that row's context leaves, never to the
-  room of the longest row of the call;
-  one ``generate`` call runs at a time (a lock), off the event loop (a thread);
-* ``logprobs`` are log-softmax of the logits **after** the temperature and top-p
-  warpers (the sampling distribution actually used; no top-k, no penalties), or of
-  the raw logits for greedy decoding (``temperature == 0``); fp32 models reproduce
-  them by a teacher-forced forward pass to ~1e-6;
-* a row whose placeholder count of any modality (image, video, audio) disagrees with its
-  media (a stale prompt, a missing clip) is refused with ``ProtocolError`` before any model
-  work;
-* every forward chunk runs under a forked, freshly seeded RNG, so the global torch RNG is
-  untouched: with ``seed`` the chunk seeds derive from it (reproducible for a given batch
-  composition; chunks never replay each other); without, each chunk draws fresh entropy, so
-  unseeded calls never repeat one another's samples;
-* media placeholder and vision boundary tokens (``image_token_id``, ``video_token_id``,
-  ``vision_start_token_id``, ``vision_end_token_id`` of the model config, plus any
-  ``suppress_token_ids`` given) are **never sampled**: their logits are set to ``-inf``
-  before temperature / top-p (transformers' ``SuppressTokensLogitsProcessor``). A sampled
-  ``<|image_pad|>`` would need an image feature nobody provides, so neither the trainer's
-  VLM forward nor the next turn of the episode could use the sequence. The reported
-  logprobs are those of the *masked* (renormalised) distribution actually sampled from,
-  and :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask. For a trained
-  VLM the masked tokens have probability ~0 after text, so the mask changes nothing
-  measurable; for the random tiny model they hold ~1 % of the mass (max abs logprob
-  difference vs the unmasked distribution ~1e-2), which is why the trainer applies the
-  same mask by default (``GRPOConfig.suppress_token_ids``, :func:`~gymbridge.trainer.token_logprobs`)
-  and keeps teacher-forced ratios exact;
-* ``policy_version`` is read under the same lock the forward runs under, and a weight
-  publisher replaces the weights under that lock (:attr:`HFGenerator.weights_lock`), so a
-  generation's version is exactly the version of the weights that produced it.
+* requests are batched (left padding, up to ``max_batch_size`` rows); ``max_tokens`` is lowered
+  per row to what that row's context leaves; one ``generate`` runs at a time, off the event loop;
+* ``logprobs`` are of the distribution sampled from (after temperature and top-p; raw logits when
+  greedy), reproducible by a teacher-forced forward pass;
+* a row whose placeholder count disagrees with its media is refused (``ProtocolError``) before
+  any model work;
+* every forward chunk runs under a forked, freshly seeded RNG: the global torch RNG is untouched,
+  seeded calls are reproducible and unseeded calls never repeat one another's samples;
+* media placeholder and vision boundary tokens are never sampled (logits ``-inf`` before
+  temperature / top-p); :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask, as the
+  trainer does (docs/generation.md, "Media tokens are never sampled");
+* ``policy_version`` is read under the lock weight publishers replace the weights under
+  (:attr:`HFGenerator.weights_lock`), so a generation's version is that of its weights.
 """
 
 from __future__ import annotations

@@ -1,76 +1,26 @@
 """The model server: an aiohttp app over any ``Generator``, speaking NeMo Gym's model protocol.
 
-Training mode, as genuine NeMo Gym 0.7.0 expects of a model server:
+Routes: ``POST /v1/responses`` (token fields on the call's last output item; ``length`` becomes
+``status: "incomplete"``), ``POST /v1/chat/completions`` (vLLM's training shape, what genuine
+``vllm_model`` sends), ``POST /tokenize``, ``GET /v1/models``, health routes, ``GET /media_cache``,
+``GET /counters`` (:meth:`ModelServer.counters`), and with a ``weight_sink`` the ``/weights/*``
+routes a trainer publishes through (:mod:`gymbridge.trainer.weight_sync`). Paths may arrive prefixed
+``/ng-rollout/<id>``.
 
-* ``POST /v1/responses`` — Responses API in, Responses API out; the last output item
-  of the call carries ``prompt_token_ids``, ``generation_token_ids`` and
-  ``generation_log_probs``; ``finish_reason == "length"`` becomes
-  ``status: "incomplete"`` with ``incomplete_details: {"reason": "max_output_tokens"}``;
-  a prompt over the context window is answered with an empty incomplete response.
-* ``POST /v1/chat/completions`` — what genuine ``vllm_model`` sends to a vLLM
-  server. The answer has vLLM's shape: top-level ``prompt_token_ids``,
-  ``choices[0].token_ids``, ``logprobs.content[].token == "token_id:<id>"`` (with
-  ``return_tokens_as_token_ids``), tool calls under ``message.tool_calls``,
-  reasoning under ``reasoning_content`` / ``reasoning`` (``reasoning_parser=True``,
-  like vLLM started with ``--reasoning-parser``), and a top-level ``policy_version`` (an
-  extra key vLLM does not send; clients ignore it). A prompt over the context window
-  gets vLLM's HTTP 400 (``"This model's maximum context length is N tokens..."``),
-  which ``vllm_model`` turns into an empty ``length`` completion.
-* ``POST /tokenize`` (vLLM's shape: ``{count, max_model_len, tokens}``),
-  ``GET /v1/models``, and ``GET /``, ``/health``, ``/livez``, ``/healthz``,
-  ``/readyz``. Paths may arrive prefixed ``/ng-rollout/<id>``.
-* Weight updates (only with a ``weight_sink``, i.e. ``--enable-weight-updates``; otherwise
-  403): ``POST /weights/init_group`` (the trainer's store address, world size, backend and
-  weight layout; 400 listing every layout mismatch, else 202 and the server joins the group
-  in the background), ``POST /weights/update`` (``version`` + ``buckets``: names, shapes,
-  dtypes; 202 once checked, then the buckets are received and loaded, and the version is
-  marked loaded in the group's store), ``GET /weights/status``. With ``"transport":
-  "shared_memory"`` (a trainer on this host, a CPU model: :mod:`gymbridge.generation.shared_weights`)
-  ``init_group`` maps the trainer's two ``/dev/shm`` segments instead of joining a group
-  (200) and ``update`` names the written ``segment``, answered 200 once the model points
-  at it. See :mod:`gymbridge.trainer.weight_sync`.
+Invariants:
 
-Invariants: prompts are built by :meth:`ChatCodec.render` only (exact prefix
-splice of the latest replayed assistant tokens); media go through ``load_media``
-under the server's ``MediaPolicy``; ``n`` must be 1; concurrent requests are
-batched into the generator (:class:`BatchingGenerator`, unless the backend batches
-concurrent calls itself, like vLLM); a seeded request is never batched with another
-call, so it gets the answer it would get alone; every bad request gets a
-4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``
-and is logged, never a crash; unexpected failures are a 500 with the same shape.
+* prompts are built by :meth:`ChatCodec.render` only (exact prefix splice of the latest replayed
+  assistant tokens); media go through ``load_media`` under the server's ``MediaPolicy``, and each
+  medium is fetched, decoded and processed once per content key (:class:`~gymbridge.media.cache.MediaCache`);
+* ``n`` must be 1; concurrent requests are batched into the generator (:class:`BatchingGenerator`,
+  unless the backend batches itself), and a seeded request is never batched with another call;
+* bad input is a 4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``,
+  logged, never a crash or a 5xx (docs/security.md); unexpected failures are a 500 of the same shape;
+* request preparation runs in the server's own bounded thread pools, off the event loop; media
+  requests decode in a separate pool, so text-only requests never wait behind image decoding.
 
-Bad input is a 4xx, never a 5xx (docs/security.md): a body over
-``max_body_bytes`` is 413; JSON nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH``
-400; ``temperature`` outside ``[0, MAX_TEMPERATURE]`` (or not finite), ``top_p``
-outside ``(0, 1]``, a ``seed`` outside 64 bits, ``stop_token_ids`` outside ``[0, 2**31)``
-400 (a temperature in ``(0, GREEDY_BELOW_TEMPERATURE)``, 1e-5, is greedy, as vLLM treats it:
-:class:`~gymbridge.generation.types.SamplingConfig` stores it as 0). A prompt whose
-text alone cannot fit the context (its characters over the longest token's length
-already exceed ``max_model_len``) is refused before it is tokenized.
-
-Media by content key (:class:`~gymbridge.media.cache.MediaCache`, bounded by
-``media_cache_bytes``, LRU): a media-store reference (``<host>/media/<key>`` on a host in
-the policy's ``media_hosts``) is fetched once and its bytes verified against the key; every
-medium, inline or referenced, is decoded once and processed once per content key (the
-placeholder expansion counts from the cached processor outputs:
-:meth:`ChatCodec.encode` ``placeholders``; :class:`~gymbridge.generation.hf.HFGenerator`
-reuses the same tensors for the forward), so a group's G requests sharing an image cost
-one fetch, one decode and one processor call per server. ``GET /media_cache`` answers
-the cache's counters (hits, misses, evictions, bytes per kind); they are logged at shutdown.
-
-Request preparation (media decoding, chat template, tokenizer) runs in the server's
-own bounded thread pools, off the event loop and off the default executor:
-``prepare_threads`` threads build and render every request, and requests with media
-decode and render in a separate pool of ``media_threads`` threads, so at most that many
-images are decoded at once (the memory bound) and text-only requests never wait
-behind image decoding.
-
-Counters (:meth:`ModelServer.counters`, ``GET /counters``; :class:`~gymbridge.metrics.PhaseTimer`
-keys, every value monotone): ``compute`` (the generator's own calls: each batched call once;
-``compute_busy_s`` is the seconds the generator was busy), ``generate`` (each request from
-its arrival at the generator to its answer, batching wait included), ``prepare`` (building,
-rendering and tokenizing a request), ``weights_receive`` (loading a published version), and
-the counts ``prompt_tokens`` and ``generated_tokens``.
+Routes, limits and the media cache in detail: docs/generation.md, "The model server"; the weight
+routes: docs/placement.md; counters: docs/timing.md.
 """
 
 from __future__ import annotations

@@ -1,73 +1,31 @@
 """``VLLMGenerator``: the vLLM backend (GPU; the ``vllm`` extra), token in / token out.
 
-Each :class:`~gymbridge.trajectory.types.GenerationInput` becomes one
-``TokensPrompt(prompt_token_ids=..., multi_modal_data=...)`` carrying **all** media of
-the conversation so far and a ``SamplingParams`` asking for the sampled token's logprob
-only (``logprobs=0``). The engine is vLLM's ``AsyncLLM`` (V1), built from
-``AsyncEngineArgs`` with ``logprobs_mode="processed_logprobs"`` so reported logprobs are
-those of the distribution sampled from (temperature / top-p applied), like
-:class:`~gymbridge.generation.hf.HFGenerator`'s.
-
-**Placeholders once, checked after.** gymbridge's prompts hold every media placeholder
-already expanded (``<|image_pad|>`` x N per image), which is what the trajectory records
-and the trainer trains on. vLLM's multimodal processor expands placeholders itself, and on
-a token prompt it does so again (its prompt-update step reports
-``is_update_applied=False`` for token input), so :meth:`VLLMGenerator.build_request`
-cuts each item's expansion back to the one placeholder the model's processor expects, by the
-model family's rule (:meth:`~gymbridge.families.ModelFamily.vllm_prompt`: Qwen's run of
-``<|image_pad|>`` to one; Gemma 3's ``\n\n<start_of_image>`` ... ``<end_of_image>\n\n`` block to
-``<start_of_image>``; InternVL's ``<img>`` ... ``</img>`` to ``<IMG_CONTEXT>``; one per media item,
-any other count is refused). vLLM reports
-the prompt it ran (``RequestOutput.prompt_token_ids``, expanded again); it must equal the
-recorded prompt token for token, else :class:`VLLMGenerationError` names the first
-difference, so a placeholder mismatch can never reach training silently.
+Each :class:`~gymbridge.trajectory.types.GenerationInput` becomes one ``TokensPrompt`` carrying
+**all** media of the conversation so far and a ``SamplingParams`` asking for the sampled token's
+logprob; the engine is vLLM's ``AsyncLLM`` with ``logprobs_mode="processed_logprobs"``, so reported
+logprobs are those of the distribution sampled from, like
+:class:`~gymbridge.generation.hf.HFGenerator`'s. :class:`VLLMWeightSink` receives a trainer's
+broadcast weights (the model server's ``/weights/*`` routes).
 
 Invariants:
 
-* ``vllm`` is imported lazily, on first construction; a missing vLLM raises
-  ``ImportError`` naming the extra (``pip install 'gymbridge[vllm]'``);
-* :meth:`VLLMGenerator.build_request` is pure (no engine needed) and is what
-  :meth:`generate` sends; :func:`generation_from_output` is the one conversion of a
-  ``RequestOutput``; both are tested on CPU with a stand-in module;
-* media placeholder and vision boundary ids are never sampled: every request carries
-  ``SamplingParams.logit_bias = {id: -inf}`` for them (vLLM's documented per-request
-  token-id bias, applied as a logits processor *before* temperature / top-p, so with
-  ``processed_logprobs`` the reported logprobs are of the masked distribution, exactly
-  like :class:`~gymbridge.generation.hf.HFGenerator`'s). ``bad_words`` takes strings
-  (re-tokenised, prefix-matched) and ``allowed_token_ids`` would ship the whole
-  vocabulary with every request, so neither fits; the ids come from the engine's HF
-  config (:func:`~gymbridge.generation.types.media_special_token_ids`) plus
-  ``suppress_token_ids``;
-* weights are updated through :meth:`update_weights` (in-process: bounded buckets of
-  :mod:`gymbridge.generation.weights` sent as raw bytes through ``collective_rpc``, whose
-  msgpack arguments cannot carry tensors) or broadcast by a trainer through
-  :class:`VLLMWeightSink` (the model server's ``/weights/*`` routes): each worker joins the
-  trainer's private weight group as rank ``rank_offset + its world rank`` and receives the
-  buckets over it. Either way each worker loads them with the model's own ``load_weights``
-  (which maps Hugging Face names onto vLLM's fused layout; :func:`checkpoint_name` first
-  restores the ``thinker.`` prefix vLLM's Qwen2.5-Omni mapper expects);
-* **a weight swap** (:meth:`VLLMGenerator.swap_weights`) pauses the engine
-  (``pause_generation(mode="keep")``: no step runs, in-flight requests are kept), loads,
-  resets the prefix cache with ``reset_running_requests=True`` (running requests are
-  preempted and recomputed under the new weights) and the encoder cache (vision / audio
-  encoder outputs are reused across requests of the same medium), then resumes. A reset vLLM
-  refuses raises :class:`~gymbridge.errors.WeightSyncError`: no KV block or encoder output of
-  the old weights is ever reused silently. New requests wait for the swap, so a request
-  records the version current when it was submitted (a request in flight across a swap
-  records the older one);
-* audio reaches vLLM as gymbridge processed it: mono, at the feature extractor's sampling
-  rate (:func:`audio_for_vllm`), so vLLM's resampler (which reads 2-D audio as channels x
-  samples) has nothing to do and both count the same placeholders.
+* ``vllm`` is imported lazily; a missing vLLM raises ``ImportError`` naming the extra;
+* :meth:`VLLMGenerator.build_request` is pure and is what :meth:`generate` sends; it cuts each
+  media item's expanded placeholders back to the one vLLM expands itself (the family's
+  :meth:`~gymbridge.families.ModelFamily.vllm_prompt`), and :func:`generation_from_output` checks
+  the prompt vLLM ran against the recorded one token for token (else
+  :class:`VLLMGenerationError` names the first difference): a placeholder mismatch never reaches
+  training;
+* media placeholder and vision boundary ids are never sampled (``logit_bias = {id: -inf}`` on
+  every request, before temperature / top-p);
+* a weight swap (:meth:`VLLMGenerator.swap_weights`) pauses the engine, loads through the model's
+  own ``load_weights``, resets the prefix and encoder caches (a refused reset raises
+  :class:`~gymbridge.errors.WeightSyncError`) and resumes: no KV block or encoder output of the old
+  weights is reused; a request records the version current when it was submitted;
+* audio reaches vLLM mono at the feature extractor's rate, so both count the same placeholders.
 
-**Tested vLLM: 0.33.0** (the ``vllm`` extra pins ``>=0.33,<0.34``; it implies
-``transformers>=5.16.1,<5.21``). The names used here and their signatures are checked
-against the real package by ``tests/vllm`` (run in ``.venv-vllm``; see docs/generation.md):
-``vllm.v1.engine.async_llm.AsyncLLM`` (``from_engine_args``, ``generate``, async
-``collective_rpc``, ``pause_generation`` / ``resume_generation``, ``reset_prefix_cache``
-with ``reset_running_requests``, ``reset_encoder_cache``), ``AsyncEngineArgs`` (``model``,
-``worker_extension_cls``, ``logprobs_mode``, ``max_model_len``), ``TokensPrompt`` with
-``multi_modal_data``, ``SamplingParams(logprobs=0, logit_bias=..., detokenize=False)`` and
-``vllm.distributed.parallel_state.get_world_group``.
+The tested vLLM version, the names used and the swap policy in detail: docs/generation.md, "vLLM,
+checked against the real package".
 """
 
 from __future__ import annotations

@@ -26,13 +26,9 @@ Invariants:
   returns them as audio references, in order. A path is read later under the media policy's
   allowed local roots (refused there otherwise); a relative path is refused here, since
   gymbridge has no audio root to resolve it against;
-* a plain string ``content`` is text, never media; a ``function_call_output.output``
-  string is media only when it is a ``data:`` URL whose MIME type is ``image/*``,
-  ``audio/*`` or ``video/*`` (a file path, an http URL or JSON text such as
-  ``{"x": 3}`` adds nothing);
-* a part that claims to be media but carries no usable reference raises
-  :class:`~gymbridge.errors.ProtocolError` naming the part and the reason, so an
-  image is never dropped silently;
+* a plain string ``content`` is text; a ``function_call_output.output`` string is media only as
+  a ``data:`` URL of an ``image/*``, ``audio/*`` or ``video/*`` MIME type; a part that claims to be
+  media but has no usable reference raises :class:`~gymbridge.errors.ProtocolError`;
 * :func:`inline_media_sources` / :func:`replace_media_sources` (media by reference) see
   the parts of message ``content`` and of ``function_call_output.output`` lists whose
   reference is a ``data:`` URL in a URL slot (a string, or an object's ``url``); a bare

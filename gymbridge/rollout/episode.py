@@ -1,46 +1,26 @@
 """Native multi-turn rollouts: the bridge drives a generator and an environment directly.
 
-:func:`run_episode` plays one rollout without an agent server and returns the
-**same result shape as** ``POST /run`` of gymbridge's ``SimpleAgent`` (tool style:
-the ``/verify`` result — row echo + ``response`` holding every item of every turn
-+ ``reward``; gymnasium style: row echo + ``responses_create_params`` (with the
-reset observation) + ``response`` + ``reward``, ``terminated``, ``truncated``,
-``info``), so one postprocessor (``from_gym_result``) serves both paths.
-:func:`run_group` runs G rollouts of one row concurrently, batching their model
-calls, and records a failed rollout as data (``mask_sample``, ``failure_kind``,
-``failure_reason``) instead of raising through the group.
+:func:`run_episode` plays one rollout without an agent server and returns the **same result shape
+as** ``POST /run`` of gymbridge's ``SimpleAgent`` (tool style or gymnasium style), so one
+postprocessor (``from_gym_result``) serves both paths. :func:`run_group` runs G rollouts of one row
+concurrently, batching their model calls, and records a failed rollout as data (``mask_sample``,
+``failure_kind``, ``failure_reason``) instead of raising through the group.
 
-**The refresh rule.** Every model call's input is rebuilt from the *current*
-conversation: the Responses items so far (initial input, every model output item
-with its token fields, every tool output / observation with its media) are
-rendered by :meth:`ChatCodec.render` — which keeps the previous call's
-``prompt_token_ids + generation_token_ids`` as the exact prefix — and the result
-goes through ``build_generation_input`` over a :class:`ConversationHistory` that
-only appends. So turn k's input holds all tokens so far and **all media so far**
-(a tool's image reaches the very next call), never the turn-0 prompt alone.
-A prompt that does not extend the previous one, or media that are not the previous
-media plus new ones, raise ``TrajectoryError`` (the invariant is checked, not hoped).
+Invariants:
 
-**A forced first call** (``forced_first_call``, off by default): the first model call of the
-rollout emits the given tokens instead of sampling (their logprobs are the generator's own,
-teacher-forced, via its ``score``), and every later call samples. A tiny model that cannot
-keep a long tool-call format under RL still reaches the tool's answer; the tokens are the
-same in every rollout of a row, so within a GRPO group their policy-gradient terms cancel.
+* **the refresh rule**: every model call's input is rebuilt from the current conversation by
+  :meth:`ChatCodec.render` (the previous call's tokens as the exact prefix) over an append-only
+  :class:`ConversationHistory`, so turn k's input holds all tokens and **all media so far**; a
+  prompt that does not extend the previous one, or media that are not the previous media plus new
+  ones, raise ``TrajectoryError``;
+* every HTTP call to the environment has a deadline (``timeout_s``); environment failures are
+  ``EnvError`` subclasses (``EnvSessionLostError``; ``EnvFaultError`` for a fault mid-episode, a
+  rollout of class ``env_fault``, never trained);
+* only the tools the row offers are ever called, never a protocol route; bodies nested deeper than
+  ``gymbridge.limits.MAX_JSON_DEPTH`` are ``ProtocolError`` s.
 
-**The stale-prompt control** (``withhold_token_ids``, a debugging switch, off by default):
-the generator's input then keeps only the media of the first model call's prompt; media
-that arrive later (a tool's image) are withheld from it, their placeholder tokens (the
-given ids, e.g. ``HFGenerator.suppressed_token_ids``) removed, while the rollout's recorded
-turns (what the trainer trains on) still hold them. A policy whose decision depends on a
-later image cannot learn under it (a run's ``rollout.withhold_later_media``).
-
-Every HTTP call to the environment has a deadline (``timeout_s``); environment
-failures surface as ``EnvError`` subclasses (an environment that lost the session:
-``EnvSessionLostError``; a fault in the middle of the episode, i.e. a tool or ``/step``
-that broke, timed out or answered 502 / 503 / 504 / 408 / 429 (``gymbridge.faults``):
-``EnvFaultError``, so the rollout is a failure of class ``env_fault``, never trained). Only
-the tools the row offers are ever called, never a protocol route (as in ``SimpleAgent``); rows
-and answers nested deeper than ``gymbridge.limits.MAX_JSON_DEPTH`` are ``ProtocolError`` s.
+``forced_first_call`` and ``withhold_token_ids`` (a debugging control) are off by default; what
+they do: docs/generation.md, "Native rollouts".
 """
 
 from __future__ import annotations

@@ -1,44 +1,24 @@
 """Where a run's step time goes: the ``timing/*`` keys of every ``metrics.jsonl`` line.
 
-:meth:`GRPORun.step <gymbridge.run.recipe.GRPORun.step>` measures a few wall intervals itself
-(the wait for the batch, the update, the publication, the previous step's reporting and
-checkpoint) and reads the components' own counters (docs/timing.md): the bridge's
-:class:`~gymbridge.bridge.BatchTimings`, the model server's and the agent's
-:class:`~gymbridge.metrics.PhaseTimer` snapshots (:class:`StepCounters`) and the trainer's
-:class:`~gymbridge.trainer.StepMetrics`. :func:`split_step` turns them into phases that add up
-to the step's wall seconds:
+:meth:`GRPORun.step <gymbridge.run.recipe.GRPORun.step>` measures a few wall intervals itself (the
+wait for the batch, the update, the publication, the previous step's reporting and checkpoint)
+and reads the components' own counters: the bridge's :class:`~gymbridge.bridge.BatchTimings`, the
+model server's and the agent's :class:`~gymbridge.metrics.PhaseTimer` snapshots
+(:class:`StepCounters`) and the trainer's :class:`~gymbridge.trainer.StepMetrics`.
+:func:`split_step` turns them into phases (``wait_rollouts``, ``generation``, ``env_*``,
+``postprocess``, ``batch_build``, ``forward_backward``, ``optimizer``, ``weight_sync``,
+``artifacts``, ``checkpoint``, ``other``).
 
-==================  ===================================================================
-``wait_rollouts``   the wait for the batch not attributed below (HTTP hops, the agent,
-                    scheduling, rollouts still running)
-``generation``      the model server's compute (``compute_busy_s`` during the step)
-``env_seed`` ...    the agent's environment calls (``env_seed``, ``env_tool``, ``env_step``,
-                    ``env_verify``, ``env_other`` busy seconds during the step)
-``postprocess``     rollout results to trajectories (the bridge, on the event loop)
-``batch_build``     per-group batches (media processing, dedup, advantages) and the batch
-``forward_backward`` the trainer's forward and backward passes
-``optimizer``       gradient clipping and the optimizer step
-``weight_sync``     publishing the new weights to the generator
-``artifacts``       the previous step's reporting as the loop waited for it: its
-                    ``metrics.jsonl`` line, console line, reporters and the hand-off of its
-                    artifacts to their writer thread (:class:`~gymbridge.run.callbacks.ArtifactsCallback`)
-``checkpoint``      the previous step's checkpoint, when it wrote one
-``other``           ``step_s`` minus all of the above (shown, never hidden)
-==================  ===================================================================
+Invariants:
 
-A step's wall time runs from the moment the previous step's record was made (the first step:
-from its call) to the moment its own record is made, so the steps' ``step_s`` add up to the
-loop's wall time and a step's reporting and checkpoint are counted in the next one.
+* the phases add up to the step's wall seconds ``step_s``, and the steps' ``step_s`` add up to the
+  loop's wall time (a step runs from the previous step's record to its own, so its reporting and
+  checkpoint are counted in the next step);
+* the wait for the batch is split in a fixed order, each phase at most what is left of it;
+  overlapping busy seconds are counted once, in the earlier phase; the rest is ``wait_rollouts``;
+* ``other`` is ``step_s`` minus every other phase: shown, never hidden.
 
-The wait for the batch is split in this order, each phase at most what is left of it:
-``postprocess`` and ``batch_build`` (the bridge's own work on the event loop), ``generation``,
-the environment phases; the rest is ``wait_rollouts``. Rollouts run concurrently, so the
-model's and the environment's busy seconds can overlap each other; whatever they overlap is
-counted once, in the earlier phase. Likewise ``forward_backward`` and ``optimizer`` are at most
-the update's wall seconds (the rest of the update, preparing the batch, is in ``other``).
-On the native path (``rollout.native``) there is no model server or agent to ask: the whole
-wait is ``wait_rollouts``. Likewise an agent of the user's own that does not answer
-``GET /counters``.
+What each phase holds: docs/timing.md.
 """
 
 from __future__ import annotations

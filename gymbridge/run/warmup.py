@@ -162,9 +162,8 @@ def warmup_for_env(
 
     ``forced_first_call`` (the launcher's ``force_first_call``): examples whose target is
     that text are left out (counted in :attr:`WarmupResult.skipped`). The run never samples
-    its first call, so all the warm-up's steps go to the format that is sampled; measured on
-    ``configs/smoke_color_tool.yaml`` with one torch thread, seed 0: trained on the call too,
-    the answer after the tool image stayed at chance; without it the run learned (README).
+    its first call, so all the warm-up's steps go to the format that is sampled
+    (docs/environments.md, the multi-turn variant).
     """
     from gymbridge.errors import ConfigError
 

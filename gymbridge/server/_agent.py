@@ -1,95 +1,30 @@
 """SimpleAgent: drives one rollout per ``POST /run`` (NeMo Gym's simple / gymnasium agent).
 
-Tool style: ``seed_session`` -> model -> tool calls -> model -> ... -> ``verify``.
-Gymnasium style (``gymnasium=True``): ``reset`` -> model -> ``step`` -> ... until
-``terminated``, ``truncated`` or ``max_steps``.
+Tool style: ``seed_session`` -> model -> tool calls -> model -> ... -> ``verify``. Gymnasium style
+(``gymnasium=True``): ``reset`` -> model -> ``step`` -> ... until ``terminated``, ``truncated`` or
+``max_steps``. The result is the stock verify shape (row echo + ``response`` holding every item of
+every turn + ``reward``); ``POST /v1/responses`` runs the model -> tools loop alone, as stock
+simple_agent serves it. :meth:`SimpleAgent.counters` (``GET /counters``) times every outbound call.
 
-Behaviour (stock Gym parity, with its known faults fixed):
+Invariants:
 
-* ``max_steps`` is bounded (default 8; stock: unbounded); the run ends with
-  ``response.status == "incomplete"`` when it is hit, on reasoning-only or
-  empty output, and on ``incomplete_details`` from the model;
-* every outbound call has a deadline (``model_timeout_s``, ``tool_timeout_s``,
-  ``env_timeout_s``); a deadline or transport failure towards the model, or the
-  environment's ``seed_session`` / ``reset`` / ``verify``, answers 504 / 502
-  (infrastructure: the client retries);
-* an environment fault in the middle of an episode (``gymbridge.faults``: a tool or
-  ``/step`` that breaks the connection, passes its deadline, or answers 502 / 503 / 504 /
-  408 / 429) ends the rollout with a *masked result*: HTTP 200, the conversation so far,
-  ``reward: 0.0``, ``mask_sample: true``, ``failure_kind`` (0.7.0's ``transport_*`` names),
-  ``failure_reason`` naming the tool and status, ``env_fault: {route, tool, status}``; no
-  ``/verify``. Genuine consumers leave masked samples out of scores and training; ``GymClient``
-  retries it and records an ``infra`` failure if it stays failed;
-* ``responses_create_params`` is sent to the model exactly as the row gave it
-  except ``input`` (genuine model servers forbid extra keys: HTTP 422);
-* model output items are replayed unchanged, token fields included;
-* the model may call only the tools the row offers
-  (``responses_create_params.tools``) and never a protocol route
-  (``seed_session``, ``verify``, ``close_session``, ``aggregate_metrics``,
-  ``reset``, ``step``, ``close``, health routes): any other name gets
-  ``{"detail": "Not Found"}`` back as its output without a request, what a stock
-  server answers for an unknown tool (stock agents post any name, which let a
-  model re-seed its own session for a full reward or call ``verify`` to read the
-  answer);
-* tool errors (non-JSON or too deeply nested arguments, unknown tool, bad argument
-  types and any other 4xx, a raising tool's 500) go back to the model as the error body
-  text, as stock Gym does;
-* an environment that no longer knows the rollout's session (HTTP 409
-  ``X-Gymbridge-Error: env_session_lost``: it restarted or evicted it) ends the
-  rollout: the agent answers 409 with the same header, which the client records
-  as a failure of class ``env_session_lost`` (never a reward from an empty session);
-* a tool's media (``X-Gymbridge-Tool-Output: parts``) comes back to the model
-  as input parts: by default the text in ``function_call_output`` and the
-  media in a ``user`` message right after it (what chat-template model
-  servers can render); ``tool_media="output"`` puts all parts in the output;
-* cookies are forwarded per server (resources cookies to the resources
-  server, model cookies to the model server); ``/verify`` carries the
-  caller's, the resources' and the model's cookies together in one header;
-* a model-server error status becomes an agent 500 whose body is a JSON
-  string (stock Gym's shape), except that an inner 4xx (a row the environment
-  refuses) keeps its status so it is recorded as data, not retried;
-* the result is the stock verify shape (row echo + ``response`` holding every
-  item of every turn + ``reward``);
-* ``POST /v1/responses`` (also under ``/ng-rollout/<id>/`` and
-  ``.../training-token-capture/``) runs the model -> tools loop alone on a
-  ``responses_create_params`` body, as stock simple_agent serves it: no seed,
-  no verify; the request's cookies go to the resources server and the
-  resources' and model's cookies come back as ``Set-Cookie``. In gymnasium
-  mode it is one model call, as stock gymnasium_agent serves it;
-* rollout correlation (stock ``/ng-rollout/<id>`` semantics): a rollout id
-  arriving in the path prefix of ``/run`` or ``/v1/responses`` is carried to
-  every outbound model and resources call as the same prefix (the
-  ``training-token-capture`` segment, when present, to the model call).
-  With ``rollout_prefix=True`` the agent also derives the id from the row
-  when the path carries none, exactly as stock Gym does with observability
-  on: ``_ng_rollout_id``, else ``<_ng_task_index>-<_ng_rollout_index>``, plus
-  ``-a<n>`` for ``_ng_attempt_index`` > 0. Off by default because servers
-  older than 0.7.0 (and bare vLLM) do not strip the prefix; gymbridge and
-  0.7.0 servers all do.
+* ``max_steps`` is bounded and every outbound call has a deadline; a transport failure or deadline
+  towards the model or the environment's ``seed_session`` / ``reset`` / ``verify`` answers 502 /
+  504 (the client retries);
+* an environment fault in the middle of an episode ends the rollout with a *masked result*
+  (HTTP 200, ``reward: 0.0``, ``mask_sample: true``, ``failure_kind``, ``env_fault``), never a
+  trained one; an environment that lost the session answers 409 ``env_session_lost``;
+* ``responses_create_params`` reaches the model exactly as the row gave it except ``input``, and
+  model output items are replayed unchanged, token fields included;
+* the model may call only the tools the row offers, never a protocol route; tool errors go back
+  to the model as text, as stock Gym does;
+* a model-server error is an agent 500, except an inner 4xx, which keeps its status (data, not
+  retried);
+* with ``media_store_url`` every inline medium joins the conversation as a reference, stored once
+  (the store failing ends the rollout with 502); ``meter`` records every model call's payload.
 
-* media by reference (``media_store_url``: a gymbridge media server's base URL; None,
-  the default, keeps media inline): every inline medium of the conversation (the row's
-  input, the reset observation, each step's observation, each tool's images) is stored
-  once and replaced by its reference ``<media_store_url>/media/<content key>`` when it
-  joins the conversation (:class:`~gymbridge.server._media.MediaReferencer`), so each
-  model call re-sends a ~100-byte URL for every earlier medium instead of its base64
-  copy, and the result carries the references; the store being unreachable or refusing
-  an upload ends the rollout with 502;
-* ``meter`` (a :class:`~gymbridge.metrics.PayloadMeter`) records every model call at the
-  ``model_request`` boundary (:func:`~gymbridge.metrics.payload_stats`): media bytes logical
-  (every copy: each inline data URL, each reference) and physical (an inline medium every
-  time, a reference's bytes once per key for the agent's life, as the model server
-  fetches each key once); a reference's size comes from the meter's ``media_size`` (the
-  launcher's store), else from the agent's own uploads.
-
-``/run`` runs the loop in-process where stock simple_agent calls its own
-``/v1/responses`` over HTTP: same items, one hop fewer.
-
-Counters (:meth:`SimpleAgent.counters`, ``GET /counters``; :class:`~gymbridge.metrics.PhaseTimer`
-keys, monotone): every outbound call is timed by what it is, HTTP included, as the agent waits
-for it: ``env_seed`` (``seed_session`` / ``reset``), ``env_tool``, ``env_step``, ``env_verify``,
-``env_other`` (``close``, ``aggregate_metrics``), ``model`` (each model call); ``run`` is each
-whole ``/run``.
+The behaviour in detail (cookies, rollout prefixes, tool media, faults): docs/http.md, "The simple
+agent"; counters: docs/timing.md.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def warm_up(
 
 @contextlib.contextmanager
 def one_torch_thread() -> Iterator[None]:
-    """Train on one torch thread: on a loaded machine two spinning threads ran the TRL tests 10x slower."""
+    """Train on one torch thread (spinning torch threads slow the TRL tests on a loaded machine)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -1,47 +1,25 @@
 """Media encoders run once per unique item of a micro-batch, their outputs scattered to every reference.
 
-A GRPO group repeats one prompt G times, so a micro-batch's ``pixel_values`` ``PackedTensor``
-holds one segment per image but G references to it. Materialising it (``PackedTensor.materialize``)
-hands the model G copies and its vision tower encodes every copy: deduplication saves transport,
-not compute. This module encodes each **unique item** once and gives the model one feature block
-per reference, by index:
+A GRPO group repeats one prompt G times, so a micro-batch's media hold one segment per item but G
+references to it; materialising them would encode every copy. :func:`encoder_plan` finds each
+modality's unique items (references whose keys, the family's
+:meth:`~gymbridge.families.ModelFamily.encoder_keys`, all point at the same segments), the model's
+own encoder runs once on those items, and every reference gets its item's outputs (the same
+tensors, not copies) through the model's ``mm_encoder_outputs`` (images, video) or filled
+``inputs_embeds`` (audio). Grids, masks and timing still go to the model per reference, in row
+order, for its M-RoPE positions.
 
-* a modality's *item* is a column of its keys' references (the family's
-  :meth:`~gymbridge.families.ModelFamily.encoder_keys`: Qwen's ``pixel_values`` +
-  ``image_grid_thw``, ``pixel_values_videos`` + ``video_grid_thw``, ``input_features`` +
-  ``feature_attention_mask``; Gemma 3's and InternVL's ``pixel_values`` alone): two references
-  are the same item when every key of the modality points them at the same segment
-  (``torch.unique`` over the stacked ``refs``, ``[K, N]`` -> ``U`` items and an ``inverse`` ``[N]``),
-  so nothing is merged that the batch's provenance did not already merge;
-* the model's own encoder (``get_image_features`` / ``get_video_features`` /
-  ``get_audio_features``, called by the family's :meth:`~gymbridge.families.ModelFamily.encode`)
-  runs on the ``U`` items; its per-item outputs are taken apart whatever their layout (a tuple
-  of blocks per item: Qwen's ``pooler_output`` and Qwen3-VL's ``deepstack_features`` per layer;
-  or one tensor whose rows follow the items' input rows: Gemma 3's images, InternVL's tiles);
-* reference ``i`` gets item ``inverse[i]``'s outputs (the same tensors, not copies), laid out
-  again the way the encoder returned them: images and videos through the model's
-  ``mm_encoder_outputs`` input (the model concatenates the blocks and ``masked_scatter`` s them
-  into its placeholder positions, exactly as it does for features it computed itself), audio by
-  building ``inputs_embeds`` with the audio placeholder positions filled the same way (the
-  Qwen2.5-Omni thinker computes audio inside ``forward`` only from ``input_features``);
-* the model still receives every reference's grid / mask / timing tensors, in row order
-  (materialised: a few integers each), for its M-RoPE positions (``get_rope_index`` walks the
-  placeholders of each row and needs one ``grid_thw`` per reference).
+Invariants:
 
-**Gradients.** Reference ``i``'s block is ``out[inverse[i]]``: the backward of that gather adds
-the placeholder gradients of every reference into its item's block, so each encoder parameter
-receives the **sum** over the rows that share an item, which is what G separate encodings of
-identical inputs give (``d/dθ Σ_r f(g_θ(x))`` with ``g_θ(x)`` evaluated once). The invariant,
-tested for images, video and audio: loss and every parameter's gradient (vision and audio towers
-included) match the materialised path within fp32 tolerance.
+* nothing is merged that the batch's provenance did not already merge;
+* loss and every parameter's gradient (encoders included) equal the materialised path's within
+  fp32 tolerance: the gather's backward sums the gradients of the rows that share an item;
+* where the family cannot take encoder outputs from outside, a media key is unknown, or a
+  modality's keys disagree on their references, :func:`encoder_plan` returns the reason instead
+  of a plan and the caller materialises (logged once per model class and reason;
+  ``encoder_dedup`` reported off).
 
-**When it does not run.** :func:`encoder_plan` returns the reason instead of a plan when the
-model's family cannot take a present modality's encoder outputs from outside
-(:meth:`~gymbridge.families.ModelFamily.encoder_reason`: ``mm_encoder_outputs`` +
-``get_<modality>_features`` for images / video; audio only for the Qwen2.5-Omni thinker), when
-a media key the family does not list is present, or when a modality's keys disagree on their
-references; the caller then uses the materialised path (logged once per model class and reason)
-and reports ``encoder_dedup`` off.
+Details: docs/tensors.md, "Media encoded once per unique item".
 """
 
 from __future__ import annotations

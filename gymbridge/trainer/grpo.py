@@ -1,156 +1,34 @@
 """A reference GRPO step: teacher-forced logprobs, clipped-ratio policy gradient, one optimizer step.
 
-Shapes: a :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row
-``b`` and position ``t >= 1``, the new logprob is ``log_softmax(logits[b, t-1] / T)[ids[b, t]]``
-(``T`` the sampling temperature the rollouts used, restricted to the rollouts' top-p nucleus
-when ``GRPOConfig.top_p < 1``, see below); the generation logprob stored at
-``batch.logprobs[b, t]`` is the old one. With ``ratio = exp(new - old)`` and the row's
-advantage ``A``, the per-token loss is ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)``
-plus, with ``GRPOConfig.kl_coef = beta > 0``, ``beta * KL_t`` (below). The batch's ``loss_mask``
-is 0 on prompt, observation, padding and ``mask_sample`` rows (and, with
-``mask_truncated``, on rollouts that hit the token limit).
-
-**Loss aggregation** (``GRPOConfig.loss_agg``; ``l`` the per-token loss, ``m`` the loss mask,
-``T`` the loss tokens and ``R`` the rows holding at least one loss token, both of the *whole*
-batch):
-
-* ``token_mean`` (default): ``sum_{b,t} m l / T``, every token weighs the same (DAPO's
-  token-level loss; long answers weigh more);
-* ``seq_mean_token_sum``: ``sum_{b,t} m l / R``, each row's token sum, averaged over rows;
-* ``seq_mean_token_mean``: ``sum_b (sum_t m l / T_b) / R`` with ``T_b`` the row's own loss
-  tokens: each row weighs the same whatever its length (the GRPO paper's ``1/|o_i|``).
-
-The normalisers ``T`` and ``R`` are the whole batch's (``compute_gradients(part,
-total_loss_tokens=T, total_loss_rows=R)``), and every row lies in exactly one part, so the
-gradients of micro-batches and DP shards **sum** to the full-batch gradient in every mode.
-
-**KL to a frozen reference.** ``kl_coef > 0``: at construction the trainer keeps a frozen
-copy of the policy (:attr:`GRPOTrainer.reference`; never updated, no gradients;
-:meth:`GRPOTrainer.freeze_reference` re-takes it, which a run does after its format
-warm-up). The reference logprob ``ref`` of each token comes from the same function as ``new``
-(same temperature, media mask and nucleus), and with ``r = ref - new`` the per-token term is
-Schulman's estimator (http://joschu.net/blog/kl-approx.html) of ``KL(pi_theta || pi_ref)``:
-``k1 = -r`` or ``k3 = exp(r) - r - 1`` (non-negative, low variance; the GRPO paper's; ``r``
-is clamped to ``[-20, 20]`` so one token cannot make it infinite), or ``low_var_kl``: k3 with
-its value clamped to ``[-10, 10]`` as verl's estimator of that name (k3 >= 0, so the clamp acts
-only where ``k3 > 10``: ``r > 2.61`` or ``r < -11.0``; there the term is the constant 10 and
-gives no gradient). ``StepMetrics.kl`` is the estimator's token mean over the loss tokens.
-With ``kl_bias_correction`` the term is ``ratio * KL_t`` (``ratio = exp(new - old)``, with its
-gradient), TRL's ``use_bias_correction_kl``: the tokens were sampled from the behaviour policy,
-and the ratio makes the term's expected gradient that of ``KL(pi_theta || pi_ref)``; its value
-is unchanged on-policy (ratio 1) but its gradient is not (``grad ratio = ratio * grad new``).
-``kl_coef == 0`` builds no reference (no memory, no forward).
-
-**Dual clip.** ``clip_ratio_c = c > 1`` (verl's ``clip_ratio_c``; Ye et al. 2020, "Mastering
-Complex Control in MOBA Games with Deep Reinforcement Learning", arXiv:1912.09729): for a
-negative advantage the per-token loss ``|A| * max(ratio, clip(ratio))`` grows without bound in
-the ratio; the dual clip stops it at ``c * |A|`` (the token's loss is the constant ``c * |A|``
-once ``ratio > c``, no gradient). Positive advantages are unchanged. ``is_cap = C`` bounds the
-same tokens' *value* at ``C * |A|`` but keeps their gradient (``C * |A| * grad log pi``);
-``StepMetrics.dual_clip_fraction`` counts the tokens the dual clip stopped.
-
-**Top-p.** The generator samples from the nucleus of the temperature-scaled, media-masked
-distribution (``HFGenerator`` through transformers' ``TopPLogitsWarper``) and reports the
-logprob renormalised over it. With ``GRPOConfig.top_p = p < 1`` :func:`token_logprobs`
-applies the same rule to the trainer's logits at every loss position (sort ascending, drop
-the tokens whose cumulative probability is ``<= 1 - p``, always keeping the most probable one;
-the membership is computed without gradient, the gradient flows through the kept logits) and
-renormalises over the nucleus, so the ratio is 1 before an update. The sampled token is
-always kept: on-policy it is in the nucleus (it was sampled from it); a token outside the
-trainer's nucleus (off-policy, or a numeric tie at the nucleus's edge) is scored with its own
-mass added to the normaliser instead of probability 0, so ratios and KL stay finite, and
-``StepMetrics.top_p_outside_fraction`` reports how many loss tokens that was. Rows that say
-how they were sampled (``metadata["sampling"]``, from the Gym result, see
-:func:`~gymbridge.trajectory.from_gym_result`) must agree with ``GRPOConfig.top_p``, else the
-step raises :class:`~gymbridge.errors.SamplingMismatchError` before any forward pass: a ratio
-against logprobs of another distribution would be silently biased.
-
-**Overlong rollouts.** ``mask_truncated: true`` zeroes the loss mask of every row whose
-rollout hit the token limit (``metadata["incomplete_reason"] == "max_output_tokens"``: the
-model server's ``incomplete_details``) in :meth:`GRPOTrainer.prepare`, before any split, so
-the normalisers above do not count them; ``StepMetrics.truncated_masked`` counts those rows.
-Their rewards still entered their group's advantages (the bridge computed them).
-
-**Learning-rate schedule.** Optimizer update ``k`` (1 for the first; ``GRPOTrainer.steps + 1``,
-so a resumed run continues the schedule) uses ``GRPOConfig.lr_at(k)``: ``lr * k / W`` during
-a linear warm-up of ``W = lr_warmup_steps`` updates, then ``lr`` (``constant``) or a decay to
-``lr_min_ratio * lr`` at update ``D = lr_decay_steps``: ``linear`` ``1 - p`` or ``cosine``
-``(1 + cos(pi p)) / 2`` of the way from ``lr`` to the floor, ``p = min(1, (k - W) / (D - W))``
-(``p = 1`` when ``D <= W``: a run shorter than its warm-up never decays).
-Adam's first updates are sign-like (every weight moves by about ``lr``), which is when a tiny
-policy's answer format breaks; late updates of a policy that already solves most prompts are
-driven by single outliers (one failed rollout of a group carries an advantage of ``-2.5``). The
-schedule is set on the optimizer's parameter groups right before each ``optimizer.step()``
-(DP workers do the same from the same update count); ``StepMetrics.lr`` is the update's value.
-With no warm-up and ``constant`` the optimizer's own learning rate is left alone.
-
-**Off-policy correction.** The old logprob is the *generator's* (the behaviour policy ``mu``
-that sampled the tokens), so ``ratio = pi_theta / mu`` is an importance weight: the clipped
-surrogate is PPO's (Schulman et al. 2017, "Proximal Policy Optimization Algorithms",
-arXiv:1707.06347) as GRPO uses it (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300). With
-``rollout.max_staleness > 0`` the behaviour policy is up to ``k`` versions old; for a negative
-advantage the surrogate's ``ratio * A`` term is unbounded in the ratio, so
-``GRPOConfig.is_cap = C`` truncates that importance weight at ``C``: the unclipped term becomes
-``min(ratio, C) * A`` with gradient ``min(ratio, C) * A * grad log pi_theta``, the truncated
-importance weight ``rho_bar`` of V-trace (Espeholt et al. 2018, "IMPALA", arXiv:1802.01561,
-section 4.1), the same ``min(ratio, C)`` truncation the TIS correction for rollout/trainer
-mismatch uses (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy
-RL Training"). ``C >= 1 + clip_eps_high``, so it never changes a token PPO's clip already
-bounds; ``StepMetrics.is_capped_fraction`` is the fraction of loss tokens it truncated.
-
-**Suppressed tokens.** The generator never samples media placeholder / vision boundary
-tokens (their logits are ``-inf``, see :mod:`gymbridge.generation.hf`), so the logprobs it
-reports are of that masked, renormalised distribution. :func:`token_logprobs` renormalises
-over the same vocabulary (``GRPOConfig.suppress_token_ids``; by default the same ids, read
-from the same model config with the same function, ``media_special_token_ids``):
-``new = logits[b, t-1, ids[b, t]] / T - logsumexp(masked logits[b, t-1] / T)``, so the ratio
-is exactly 1 before an update (without it, the random tiny model's ratio would be off by the
-~1 % of mass it puts on those ids; a trained VLM puts ~0 there). The value stays finite at
-prompt positions whose token *is* a placeholder (they are outside the loss mask).
+A :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row ``b`` and position
+``t >= 1`` the new logprob is ``log_softmax(logits[b, t-1] / T)[ids[b, t]]`` (``T`` the rollouts'
+temperature; over the rollouts' top-p nucleus and without the suppressed media tokens, as the
+generator sampled); the old one is ``batch.logprobs[b, t]``, the generator's. With ``ratio = exp(new
+- old)`` and the row's advantage ``A`` the per-token loss is ``-min(ratio * A, clip(ratio, 1 -
+eps_low, 1 + eps_high) * A)``, plus ``kl_coef * KL_t`` to a frozen reference, under the batch's
+``loss_mask``. Public pieces: :class:`GRPOConfig` (every variant: lr schedule, KL, dual clip,
+``is_cap``, loss aggregation, top-p, ``mask_truncated``, packing), :class:`GRPOTrainer`
+(``prepare``, ``compute_gradients``, ``step``), :class:`StepMetrics`, :func:`token_logprobs`,
+:func:`skip_reason`.
 
 Invariants:
 
-* media reach the model only here, per micro-batch, right before the forward pass: with
-  ``GRPOConfig.encoder_dedup`` (default) each unique item is encoded once and its output given
-  to every reference (:mod:`gymbridge.trainer.encoder`; loss and gradients as if every copy were
-  encoded), otherwise, or for a model without that hook, materialized
-  (``PackedTensor.materialize`` of the micro-batch's rows, in row order: the order the
-  model consumes each modality's placeholders); either way passed under the names the model's
-  ``forward`` takes (:func:`~gymbridge.tensors.processor.forward_media_kwargs`: images,
-  videos with their timing key, audio features with ``feature_attention_mask``); the text
-  ``input_ids`` / ``attention_mask`` are set after every media key and one spelled like them is a
-  ``TrajectoryError``, so no media mask ever replaces the text attention mask;
-* micro-batches hold at most ``micro_batch_max_tokens`` tokens per forward pass (a longer row
-  runs alone); with ``sequence_packing`` each micro-batch's rows, in batch order, run as one
-  packed sequence with a block-diagonal causal mask and the model's own (M-RoPE) positions per
-  row, and the logprobs are unpacked to ``[B, L]``, so the loss equals the padded step's
-  (:mod:`gymbridge.trainer.packing`);
-* gradients of a batch split into micro-batches (or DP shards, see
-  :mod:`gymbridge.trainer.ray_dp`) **sum** to the full-batch gradient: every part divides
-  by the whole batch's normaliser (``total_loss_tokens`` / ``total_loss_rows``, see *Loss
-  aggregation*), and ``mask_truncated`` is applied before the batch is split;
-* the reference policy (``kl_coef > 0``) is never updated: no optimizer holds its
-  parameters and they do not require gradients;
-* a batch without a single loss token (every row ``mask_sample``, or empty), or whose loss rows
-  all have advantage 0 with no KL term, changes nothing: the optimizer is not stepped (AdamW
-  momentum / weight decay would still move the weights), ``steps`` does not advance and
-  ``StepMetrics.skipped`` says why (:func:`skip_reason`);
-* the model runs in eval mode (no dropout), so the ratio is 1 when the weights have not
-  changed since generation; the optimizer and model are this trainer's own.
+* gradients of a batch split into micro-batches or DP shards **sum** to the full-batch gradient:
+  every part divides by the whole batch's normaliser (``total_loss_tokens`` / ``total_loss_rows``),
+  and ``mask_truncated`` is applied before the split;
+* media reach the model only here, per micro-batch, right before the forward pass (encoded once per
+  unique item, :mod:`gymbridge.trainer.encoder`, or materialized), under the names its ``forward``
+  takes; no media key ever replaces the text ``input_ids`` / ``attention_mask``;
+* the reference policy is never updated; the model runs in eval mode, so the ratio is 1 while the
+  weights are the generator's;
+* a batch with no loss token, or only zero advantages and no KL, does not step the optimizer
+  (``StepMetrics.skipped`` says why);
+* the drift guard raises :class:`~gymbridge.errors.PolicyDriftError` on an on-policy step whose
+  ``ratio_mean`` is off 1 by more than ``ratio_tolerance``, before the optimizer moves; rows sampled
+  with another ``top_p`` raise :class:`~gymbridge.errors.SamplingMismatchError` before any forward.
 
-**Drift guard.** Every step reports ``ratio_mean`` and ``ratio_max_abs_log``: the mean
-importance ratio and the largest ``|new - old|`` logprob over the loss tokens of the
-*first* micro-batch, computed before any update of this step. In an on-policy run
-(``on_policy=True``; a run's ``bridge.max_staleness: 0``) the generator's weights
-must be the trainer's, so ``ratio_mean`` must be 1 up to numerics: when ``|ratio_mean - 1|``
-exceeds ``GRPOConfig.ratio_tolerance`` the step raises
-:class:`~gymbridge.errors.PolicyDriftError` *before* the optimizer moves (a generator that
-never received the weights fails loudly instead of training off-policy). The default
-tolerance, 1e-2, sits far above what exact synchronisation gives (fp32 HF generator and
-trainer on CPU: ``|ratio_mean - 1|`` below 1e-5, see docs/placement.md), leaving room for a bf16
-generator whose kernels differ from the trainer's (their per-token mismatch largely averages
-out over a micro-batch's tokens), and below what a generator left at the step-0 weights
-shows after a few steps.
+The variants and their formulas: docs/grpo.md; off-policy correction (``is_cap``) and packing:
+docs/loop.md; the drift guard: docs/placement.md; suppressed media tokens: docs/generation.md.
 """
 
 from __future__ import annotations

@@ -1,47 +1,25 @@
 """Sequence packing for the GRPO step: a micro-batch's rows as one sequence, with the model's own positions.
 
-With ``GRPOConfig.sequence_packing`` the trainer groups rows by *real* tokens
-(:meth:`~gymbridge.tensors.TrainBatch.micro_batches` with ``packed=True``: first-fit
-decreasing under ``micro_batch_max_tokens``) and runs each micro-batch ``[B, L]`` (right-padded)
-as one packed sequence ``[1, S]``, ``S`` the sum of the rows' lengths: no padding is computed.
-:func:`packed_forward_kwargs` turns the padded forward inputs into packed ones and
-:meth:`PackedRows.unpack` puts per-token values back at each row's positions, so the loss code
-sees the same ``[B, L]`` tensors as without packing.
+With ``GRPOConfig.sequence_packing`` the trainer groups rows by real tokens
+(:meth:`~gymbridge.tensors.TrainBatch.micro_batches` with ``packed=True``) and runs each micro-batch
+``[B, L]`` as one packed sequence ``[1, S]``: :func:`packed_forward_kwargs` turns the padded forward
+inputs into packed ones and :meth:`PackedRows.unpack` puts per-token values back at each row's
+positions, so the loss code sees the same ``[B, L]`` tensors as without packing.
 
-Three things make a packed forward equal to the padded one (tested on every tiny family,
-``tests/families/test_family_matrix.py``, and the tiny Qwen2.5-Omni thinker: logprobs, loss and
-gradients within fp32 tolerance):
+Invariants (a packed forward equals the padded one: logprobs, loss and gradients within fp32
+tolerance, tested on every tiny family):
 
-* **no cross-row attention**: a block-diagonal causal mask. With the ``eager`` and ``sdpa``
-  attention implementations (the CPU ones) it is an explicit 4-D mask ``[1, 1, S, S]``
-  (additive float for ``eager``, boolean for ``sdpa``), which transformers' mask builder passes
-  through unchanged. ``flash_attention_*`` / ``flex_attention`` take no dense mask: there the
-  attention mask is ``None`` and the rows' text positions (restarting at 0 per row) are
-  prepended to the position ids, the layout from which transformers derives the varlen
-  ``cu_seqlens`` / block mask itself (Qwen2-VL's ``[4, 1, S]`` "text + M-RoPE" position ids).
-  That GPU route is not exercised by the CPU tests;
-* **the model's own position ids per row**: for a model with ``get_rope_index`` (Qwen2-VL,
-  Qwen2.5-Omni: 3-D M-RoPE, where an image's tokens share a temporal position and the text
-  after it resumes at ``max(grid_h, grid_w) / merge`` past its start, not at ``+ tokens``) the
-  positions are what that function returns for the padded micro-batch: the same call, with the
-  same ``input_ids``, ``mm_token_type_ids``, grids, audio lengths and attention mask, as the
-  model's own forward makes without packing, gathered row by row into the packed order.
-  A model without it gets 1-D positions restarting at 0 for each row;
-* **the family's masks**: a family whose attention is not plain causal builds the packed masks
-  itself (:meth:`~gymbridge.families.ModelFamily.packed_attention_mask`): Gemma 3 gets one mask
-  per layer type, bidirectional within each image and windowed on its sliding layers, so its
-  sliding-window layers pack too;
-* **rows keep their order**: row ``b``'s tokens precede row ``b + 1``'s, so the micro-batch's
-  media, concatenated in row order (the trainer's media kwargs, computed from the padded
-  micro-batch as without packing), still meet their placeholders in the order the model
-  consumes them.
+* no cross-row attention: a block-diagonal causal mask (a dense 4-D mask for ``eager`` / ``sdpa``;
+  per-row text positions for ``flash_attention_*`` / ``flex_attention``), or the family's own
+  packed masks (:meth:`~gymbridge.families.ModelFamily.packed_attention_mask`);
+* each row keeps the position ids the model's own ``get_rope_index`` gives it in the padded
+  micro-batch (M-RoPE), else 1-D positions restarting at 0;
+* rows keep their batch order, so the micro-batch's media meet their placeholders in order;
+* a row's first token gets logprob 0, as on the padded path;
+* a model packing cannot run exactly is refused up front by :func:`check_packable` with a
+  :class:`~gymbridge.errors.ConfigError`, never run with wrong positions.
 
-The first token of a row has no logprob (position 0); in the packed sequence its "previous
-token" is the end of the row before, so :meth:`PackedRows.unpack` writes 0 there, as the
-padded path does. A model packing cannot run correctly (an unknown attention implementation,
-sliding-window layers under a dense mask, a ``get_rope_index`` asking for inputs the trainer
-does not have, no ``position_ids`` argument) is refused up front by :func:`check_packable`
-with a :class:`~gymbridge.errors.ConfigError`, never run with wrong positions.
+The rules in detail: docs/loop.md, "Sequence packing".
 """
 
 from __future__ import annotations

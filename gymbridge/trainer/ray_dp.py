@@ -1,57 +1,28 @@
 """Data-parallel GRPO: Ray actors in one torch.distributed group, gradients reduced inside it.
 
-``num_workers`` Ray actors (:class:`DPWorker`) each build a policy copy from
-``model_factory`` and form **one** ``torch.distributed`` process group (torch's default
-group in each actor's process; gloo on CPU, NCCL when the actors hold a GPU). The
-weight-sync group of :mod:`gymbridge.trainer.weight_sync` is another, private group between
-the driver and the generator; the two never meet. Rendezvous: rank 0 picks a free port on
-127.0.0.1 when every worker runs on one node (else on its node's address) and the others
-join ``tcp://host:port``.
+:class:`RayDPTrainer` (the driver's side) runs ``num_workers`` :class:`DPWorker` actors, each with a
+policy copy from ``model_factory``, in **one** ``torch.distributed`` group (gloo on CPU, NCCL when
+the actors hold a GPU), separate from the weight-sync group of :mod:`gymbridge.trainer.weight_sync`.
+:func:`init_ray` starts a local Ray or joins a cluster; Ray is imported lazily (a missing ``ray``
+raises ``ImportError`` naming the ``ray`` extra).
 
-A step (:meth:`RayDPTrainer.step`):
+A step: the driver shards the batch (``batch.shard``: whole groups where possible, balanced by
+tokens; floating media cast to the policy's dtype) and sends each worker its shard; each worker
+accumulates its gradients with ``GRPOTrainer.compute_gradients`` and all-reduces them once, in
+bounded buckets; the driver runs the drift guard on the returned metrics; then every worker clips
+and steps its own AdamW, and rank 0 alone returns its weights, which the driver loads and publishes.
 
-1. the driver splits the batch with ``batch.shard(num_workers)`` (whole GRPO groups where the
-   sizes allow, balanced by sequence tokens), casts each shard's floating media to the
-   policy's dtype (``GRPOConfig.dtype``, through the per-key table of
-   :meth:`~gymbridge.tensors.TrainBatch.cast_media`; the batch itself, and with it what the
-   Gym returned, keeps its dtype), and sends each worker its shard: deduplicated
-   (only the media segments its rows reference, once; pickle protocol 5, storage out of
-   band), recorded at the ``policy_shard`` boundary of the ``PayloadMeter``;
-2. every worker accumulates its shard's gradients over its micro-batches locally
-   (``GRPOTrainer.compute_gradients`` with the **whole batch's** normaliser: loss tokens, or
-   rows for ``loss_agg: seq_mean_*``, after ``mask_truncated`` was applied to the whole batch;
-   so the shards' gradients sum to the full-batch gradient; with ``kl_coef > 0`` each worker
-   scores against its copy of the driver's frozen reference) and then all-reduces (sum) them once, in
-   flat buckets of at most 64 MiB (:func:`~gymbridge.generation.weights.plan_buckets`);
-   it returns metrics only: **the driver never holds a gradient**;
-3. the drift guard runs on the driver, on the metrics of the first shard that holds a loss
-   token (its first such micro-batch), before any worker moves; a drifted step raises
-   :class:`~gymbridge.errors.PolicyDriftError` and every worker drops its gradients;
-4. every worker clips the reduced gradients and steps its own AdamW (the same numbers in, so
-   the same weights out: :meth:`RayDPTrainer.param_digests` checks it), and rank 0 alone
-   returns its weights; the driver loads them into its policy, which the launcher's
-   publisher (in-process copy or torch.distributed broadcast) hands to the generator. Per
-   step the driver receives the weights once from rank 0 (``P`` bytes) and sends ``batch``
-   bytes; the home-made predecessor moved ``2 x P`` per worker through the driver.
+Invariants:
 
-**Why an explicit all-reduce, not DDP or FSDP2.** ``GRPOTrainer.compute_gradients`` (the one
-step every mode runs, with every ``GRPOConfig`` option: packing, the encoder path, KL)
-computes gradients with ``torch.autograd.grad`` into its own buffers and reads the model's
-``forward`` signature to name the media inputs. DDP's reducer hooks fire on ``.grad``
-accumulation (``backward``) and its wrapper hides ``forward``'s signature; FSDP2's
-``fully_shard`` (it does run on gloo/CPU with this torch) reduce-scatters in post-backward
-hooks too and leaves each worker a shard, not the whole weights that rank 0 publishes. One
-bucketed all-reduce after local accumulation is exactly DDP's ``no_sync`` + last-micro-batch
-reduction, without a second copy of the step: the parity tests compare ``dp_workers`` 0, 1, 2.
+* the shards' gradients sum to the full-batch gradient (every worker divides by the whole batch's
+  normaliser), so ``dp_workers`` 0, 1 and 2 train the same step;
+* the driver never holds a gradient; it receives metrics, and rank 0's weights once per step;
+* every worker holds the same weights after a step (:meth:`RayDPTrainer.param_digests` checks it);
+* a drifted step raises :class:`~gymbridge.errors.PolicyDriftError` before any worker moves, and
+  a worker whose shard fails tells its peers before the reduction, so nobody waits on a collective
+  that never comes.
 
-A worker whose shard fails (a bad trajectory) says so to its peers before the reduction (a
-one-element all-reduce of a failure flag), so nobody waits on a collective that never comes:
-the failing worker raises its error, the others drop their gradients.
-
-Ray is imported lazily: a missing ``ray`` raises ``ImportError`` naming the ``ray`` extra.
-:func:`init_ray` starts a local Ray (``num_cpus`` CPUs, no dashboard,
-``RAY_AUTH_MODE=disabled``), or joins the cluster at ``address``. Actors ask Ray for one GPU
-each when the cluster has one per worker.
+The step in detail and why this is an explicit all-reduce rather than DDP or FSDP2: docs/dp.md.
 """
 
 from __future__ import annotations

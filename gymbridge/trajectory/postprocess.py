@@ -1,57 +1,25 @@
 """Gym ``/run`` result -> :class:`~gymbridge.trajectory.Trajectory`, in one walk.
 
-``from_gym_result`` reads a verify result (row echo + ``response`` + ``reward``) and
-returns its per-turn trainable segments (docs/design.md, "Trajectories").
+:func:`from_gym_result` reads a verify result (row echo + ``response`` + ``reward``) and returns
+its per-turn trainable segments (docs/design.md, "Trajectories"). It also reads genuine 0.7.0
+shapes: a transitions-form ``output`` (:func:`_flatten_transitions`) and the compaction agent's
+``response.media_assets`` (:func:`_check_media_assets`).
 
-Invariants (each enforced here, each failure a ``TrajectoryError`` naming the
-output item when there is one):
+Invariants (each failure a ``TrajectoryError`` naming the output item when there is one):
 
-* **one predicate, one place**: an output item is a turn exactly when it carries a
-  non-empty ``generation_token_ids`` (:func:`_is_trainable`). Every other item is
-  context. An empty generation (``[]``) is not a turn;
-* token fields come all three or none; ``len(generation_log_probs) ==
-  len(generation_token_ids)``; token ids are non-negative ints; logprobs and the
-  reward are finite; ``reward_components`` are finite and kept as given; under
-  ``reward_components_check="sum"`` they must also sum to ``reward`` within 1e-6
-  (Gym's contract only makes ``reward`` the aggregate: vibench's is the mean, so the
-  default ``"off"`` never refuses a genuine result for it);
-* ``routed_experts`` (MoE router replay; ``[tokens][layers][topk]`` ints, or NeMo Gym's
-  ``nrlre1`` base64 envelope) become ``Turn.routed_experts``, one row per token of the
-  turn's prompt delta + generation: sliced like the token fields when they cover the whole
-  prompt + generation, padded with ``-1`` rows on the prompt delta when they cover only the
-  generation; any other length is an error, never a silent drop;
-* **token bookkeeping**: ``prompt_delta = prompt_token_ids[len(seen):]`` after
-  checking that the prompt starts with ``seen``; then ``seen += prompt_delta +
-  generation``. A prompt that does not extend ``seen`` is an error under
-  ``on_noncontiguous="error"``; under ``"split"`` it starts a new segment whose
-  first turn carries the full prompt and **all** media of the conversation so far
-  (its prompt is the whole conversation re-rendered, placeholders included);
-* **per-turn media**: pending media are seeded from the initial input
-  (``response.agent_input`` + ``response.seed_obs`` when the result carries them,
-  else ``responses_create_params.input``), then
-  ``responses_create_params.metadata.audio_data``; every non-assistant item adds
-  its media in order; each turn takes the pending media, whatever its kind
-  (message, reasoning or function_call). No byte is fetched or decoded here: media
-  are lazy ``MediaItem.from_ref`` references (policy-checked, not loaded);
-* flags and tool names are gathered from every assistant item of the model call
-  that produced the turn (the token fields sit on the call's *last* item only);
-* a turn's ``policy_version`` is its item's ``policy_version`` field (gymbridge's model
-  server and native loop put it next to the token fields; genuine servers omit it, so
-  ``None``); a present value must be a non-negative int.
+* **one predicate, one place**: an output item is a turn exactly when it carries a non-empty
+  ``generation_token_ids`` (:func:`_is_trainable`); every other item is context;
+* token fields come all three or none, with as many logprobs as tokens; ids are non-negative ints;
+  logprobs, reward and reward components are finite (``reward_components_check="sum"`` also
+  makes the components sum to ``reward``); ``routed_experts`` align with the turn's tokens;
+* **token bookkeeping**: each prompt must extend the tokens seen so far (``on_noncontiguous``:
+  ``"error"``, or ``"split"`` into a new segment carrying the whole prompt and all media so far);
+* **per-turn media**: each turn takes the media that arrived since the previous one; nothing is
+  fetched or decoded here (lazy, policy-checked ``MediaItem.from_ref`` references);
+* what belongs to no turn (trailing media, trailing assistant items) is counted in
+  ``Trajectory.metadata``, never dropped without a trace.
 
-Genuine 0.7.0 shapes handled here: a transitions-form ``output`` (one item list per agent
-step, ``return_transitions`` agents) is walked as one conversation, each step's new items
-once (:func:`_flatten_transitions`). ``response.media_assets`` (the compaction agent) lists
-every history image once: the full response (``skip_verification``) also keeps each one in
-its items and trains; the transport projection strips them from ``output`` and is refused,
-naming how many images are missing (:func:`_check_media_assets`).
-
-Media that arrive after the last turn belong to no model call; they are counted in
-``Trajectory.metadata["trailing_media"]`` rather than dropped without a trace, and
-assistant items after the last turn (a call without token fields, or an empty
-generation) in ``metadata["trailing_assistant_items"]``. ``metadata["sampling"]`` records the
-``temperature`` / ``top_p`` the rollout was sampled with (the response's echo, else its
-request's), which the trainer checks against its own (``GRPOConfig.top_p``).
+The rules in full: docs/trajectory.md, "The rules".
 """
 
 from __future__ import annotations
