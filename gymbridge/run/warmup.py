@@ -27,7 +27,7 @@ import random
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field
@@ -51,6 +51,9 @@ class WarmupConfig(StrictModel):
     steps: int = Field(0, ge=0)
     """Supervised steps (each: ``rows_per_step`` rows' examples, one optimizer step)."""
     lr: float = Field(1e-2, gt=0)
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    """``linear``: the lr falls from ``lr`` to 0 over the steps, so the last steps' randomly drawn
+    targets cannot leave the policy leaning to one answer (``constant`` ends wherever they pushed)."""
     rows_per_step: int = Field(4, ge=1)
     seed: int = 0
     """Seed of the warm-up rows and of the random target choice (never the training rows)."""
@@ -109,6 +112,8 @@ def format_warmup(
         return WarmupResult(0, 0, 0.0, 0.0, 0.0)
     rng = random.Random(f"gymbridge/warmup/{config.seed}")
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=config.lr)
+    if config.lr_schedule == "linear":  # step s (0-based) runs at lr * (1 - s / steps): the last near 0
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 - s / config.steps)
     suppressed = generator.suppressed_token_ids
     losses: list[float] = []
     n_examples = skipped = 0
@@ -135,6 +140,8 @@ def format_warmup(
             loss.backward()  # type: ignore[no-untyped-call]
             total += float(loss.detach())
         optimizer.step()
+        if config.lr_schedule == "linear":
+            schedule.step()
         losses.append(total)
         n_examples += len(batch)
         logger.debug("warm-up step %d: loss %.4f", step + 1, total)
