@@ -54,3 +54,45 @@ def test_warmup_whose_every_target_is_the_forced_call_trains_nothing() -> None:
     )
     assert result is not None and result.steps == 0 and result.examples == 0 and result.skipped == 6
     assert all(torch.equal(before[k], v) for k, v in policy.state_dict().items())
+
+
+def _answer_probabilities(
+    policy: torch.nn.Module, generator: HFGenerator, params: dict[str, object]
+) -> dict[tuple[str, str], float]:
+    """P(first answer token) for each colour word, on one row of each colour."""
+    from gymbridge.run.warmup import _example_tensors
+
+    spec = get_env("color_pick")
+    rows = list(spec.generate(8, 7, **params))
+    out: dict[tuple[str, str], float] = {}
+    words = [str(w) for w in rows[0]["colors"]]
+    ids = {w: generator.tokenizer(w, add_special_tokens=False)["input_ids"][0] for w in words}
+    for row in rows:
+        colour = str(row["color"])
+        if any(key[0] == colour for key in out):
+            continue
+        kwargs, prompt_len, _ = _example_tensors(
+            generator, list(row["responses_create_params"]["input"]), None, words[0]
+        )
+        with torch.no_grad():
+            logits = policy(**kwargs).logits[0, prompt_len - 1].float()
+        probs = torch.softmax(logits, dim=-1)
+        for w in words:
+            out[(colour, w)] = float(probs[ids[w]])
+    return out
+
+
+def test_regression_linear_warmup_leaves_the_answers_about_uniform() -> None:
+    """The smoke's warm-up (40 steps at lr 1e-2, random targets) with a constant lr ended wherever its
+    last batches pushed: blue 0.83 / red 0.17 for every image at step 1, and runs that fell into
+    answering blue to every image never left it (docs/benchmarks.md, "Learning robustness").
+    ``lr_schedule: linear`` lets the last steps move the policy less and less."""
+    spec = get_env("color_pick")
+    params = spec.check_params({})
+    policy, generator = _fresh_policy()
+    config = WarmupConfig(steps=40, lr=1e-2, rows_per_step=4, lr_schedule="linear")
+    result = warmup_for_env(spec, params, policy, generator, config)
+    assert result is not None and result.steps == 40 and result.last_loss < result.first_loss
+    probs = _answer_probabilities(policy, generator, params)
+    assert len(probs) == 4, probs  # both images, both words
+    assert all(0.3 <= p <= 0.7 for p in probs.values()), probs
