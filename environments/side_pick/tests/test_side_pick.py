@@ -6,7 +6,7 @@ import random
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gymbridge.media import MediaItem
@@ -77,6 +77,7 @@ def test_reward_reads_the_first_word() -> None:
     assert side_reward("T", "") == 0.0 and answer_of("  ") is None
 
 
+@settings(deadline=None)  # no per-example time limit: tests/conftest.py's profile does not reach here
 @given(st.integers(0, 10_000))
 def test_warmup_targets_never_depend_on_the_rows_side(rng_seed: int) -> None:
     """The honesty rule of the format warm-up: same RNG, rows of different sides -> same targets."""
