@@ -29,8 +29,8 @@ Step 1 comes before any update, after the warm-up: its 16 rollouts sample a poli
 no reward yet, so its reward is about chance, 0.5 give or take the draw (a fair coin gives 10 or
 more of 16 about 23% of the time). The tests bound it at 0.7 (11 of 16), and check the policy
 itself: each answer word's sampler probability at step 1 is the same whatever the image (within
-0.05; measured: blue 0.827 and 0.825 for the two images of the default's step 1). A warm-up that
-leaked the answers would fail both.
+0.05; measured: red 0.52 / 0.53 and blue 0.44 / 0.43 for the two images with the smoke's linear
+warm-up lr). A warm-up that leaked the answers would fail both.
 
 These take minutes: marked ``slow`` and ``learning``. scripts/test.sh runs all five after the
 default tests, on 2 pytest-xdist workers, so CI runs them.
