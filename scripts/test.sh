@@ -38,7 +38,7 @@ if [ -x scripts/setup_vllm_venv.sh ] && [ "${GYMBRIDGE_SKIP_VLLM:-0}" != "1" ]; 
     bash scripts/setup_vllm_venv.sh >"$VLLM_LOG" 2>&1 &
     vllm_pid=$!
 fi
-# verl venv for the verl agent-loop tests (tests/integrations/test_verl_agent_loop.py), same way.
+# verl venv (verl 0.9.1 + TRL 1.16.0) for the verl agent-loop tests and tests/peers, same way.
 verl_pid=""
 VERL_LOG="$ROOT/.cache/verl-setup.log"
 if [ -x scripts/setup_verl_venv.sh ] && [ "${GYMBRIDGE_SKIP_VERL:-0}" != "1" ]; then
