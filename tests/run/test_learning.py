@@ -44,10 +44,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 from run_helpers import quiet_train
 
 from gymbridge.run import load_run_config
+from gymbridge.testing.trl_format import one_torch_thread as torch_threads_one
 
 pytestmark = [
     pytest.mark.slow,
@@ -77,12 +77,8 @@ def _assert_step1_blind_to_the_image(run_dir: Path) -> None:
 
 @pytest.fixture
 def one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads_one():
         yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_default_smoke_learns_from_env_reward_alone(tmp_path: Path) -> None:
