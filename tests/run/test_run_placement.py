@@ -59,18 +59,22 @@ def test_placement_process_trains_on_policy_at_every_step(transport: str, line: 
 
 
 def test_a_generator_left_at_the_step0_weights_fails_the_drift_guard(tmp_path: Path) -> None:
-    """In process with a frozen copy (publication off): the guard fires at the second update, loudly."""
+    """In process with a frozen copy (publication off): the guard fails the run loudly once the
+    trainer's weights have moved away from the generator's (never at the first update, which is
+    on-policy by construction; which later update crosses the 1% tolerance depends on the samples)."""
     import io
 
     from gymbridge.run import train
 
     # a constant lr of 2e-2 (not the toy's 10-update warm-up): the first update moves the weights enough
-    settings = {**SMALL, "steps": 6, "generator.publish_weights": False, "trainer.lr": 2e-2}
+    settings = {**SMALL, "steps": 12, "generator.publish_weights": False, "trainer.lr": 2e-2}
     settings.update({"trainer.lr_warmup_steps": 0, "trainer.lr_schedule": "constant"})
     out = io.StringIO()
     with pytest.raises(PolicyDriftError, match="the generator's weights are not the trainer's") as info:
         train(run_config(tmp_path, settings), out=out)
-    assert 2 <= info.value.step <= 3, out.getvalue()  # the trainer's 2nd or 3rd update
+    # regression: a clean-clone CI run crossed the tolerance at step 4 (ratio_mean 1.006, 1.005,
+    # then 1.014), where this asserted step <= 3
+    assert info.value.step >= 2, out.getvalue()
     assert "weight publication OFF" in out.getvalue()
 
 

@@ -32,7 +32,12 @@ from gymbridge.trainer import (
 )
 from gymbridge.trainer.ray_dp import policy_shards
 
-pytestmark = pytest.mark.integration
+pytestmark = [
+    pytest.mark.integration,
+    # a hang guard: Ray's start-up and three DP steps took over 300 s in a clean-clone CI run with a
+    # core kept busy beside it (tests/test_no_time_budgets.py: guards >= 5x a loaded machine's time)
+    pytest.mark.timeout(1500),
+]
 
 # two rows per micro-batch: every worker accumulates over micro-batches before the reduction
 # Media materialised per reference (encoder_dedup off): the bit-identity of dedup on vs off below holds
