@@ -143,10 +143,6 @@ class ModelFamily:
         frames = mask.to(torch.int64).sum(dim=-1).tolist() if mask is not None else []
         return sum(audio_output_length(int(f)) for f in frames)
 
-    def placeholder_runs(self, modality: str, item_outputs: Mapping[str, torch.Tensor] | None = None) -> int:
-        """Runs of placeholder tokens one item occupies in the token stream (1: one block per item)."""
-        return 1
-
     # ------------------------------------------------------------------ prompt text
 
     def placeholder_text(self, processor: Any, modality: str) -> str | None:
