@@ -15,8 +15,10 @@ seed draws the same samples). :class:`PromptSeededGenerator` does the same for a
 the rollout index never reaches the generator (the Gym path: agent -> model server): a call
 without a seed gets one derived from ``(seed, digest of the prompt tokens, how many times
 this exact prompt was seen before)``; reruns then draw the same *set* of samples for a group
-(which rollout index gets which one follows arrival order). Seeded rows are generated one per
-call (a backend seeds a whole batch), which trades batching for reproducibility.
+(which rollout index gets which one follows arrival order). A backend that samples each row
+from its own stream (:class:`~gymbridge.generation.types.RowSeededGenerator`: HF, vLLM) gets
+the whole call at once with per-row seeds; any other gets one row per call (it seeds a whole
+batch), which trades batching for reproducibility.
 
 Invariants: shaping values are finite and in ``[0, weight]`` for a non-negative weight; a
 trajectory without generated tokens gets 0; seeds are non-negative 63-bit integers.
@@ -33,7 +35,13 @@ from typing import Any, Literal
 from pydantic import Field
 
 from gymbridge.config import StrictModel
-from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
+from gymbridge.generation.types import (
+    Generation,
+    Generator,
+    SamplingConfig,
+    row_seeded,
+    wrapped_policy_version,
+)
 from gymbridge.trajectory.types import GenerationInput, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -140,8 +148,21 @@ class PromptSeededGenerator:
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         if sampling.seed is not None:
             return await self.generator.generate(inputs, sampling)
-        seeds = [self._seed_for(inp.prompt_token_ids) for inp in inputs]  # in call order, no await between
+        return await self.generate_rows(inputs, sampling, [None] * len(inputs))
+
+    async def generate_rows(
+        self, inputs: Sequence[GenerationInput], sampling: SamplingConfig, seeds: Sequence[int | None]
+    ) -> list[Generation]:
+        """Rows without a seed get their prompt's seed; rows with one keep it (defined here, never
+        forwarded: the wrapped generator's own ``generate_rows`` would skip the prompt seeds)."""
+        # in call order, no await between
+        filled = [
+            self._seed_for(inp.prompt_token_ids) if s is None else s
+            for inp, s in zip(inputs, seeds, strict=True)
+        ]
+        if row_seeded(self.generator):
+            return list(await self.generator.generate_rows(inputs, replace(sampling, seed=None), filled))
         out: list[Generation] = []
-        for inp, seed in zip(inputs, seeds, strict=True):
+        for inp, seed in zip(inputs, filled, strict=True):
             out.extend(await self.generator.generate([inp], replace(sampling, seed=seed)))
         return out

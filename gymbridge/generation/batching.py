@@ -4,10 +4,12 @@ The model server and concurrent native rollouts each ask for one generation at a
 time; a transformers model is far cheaper per row when rows share a forward pass.
 This wrapper queues requests, waits up to ``window_s`` after the first one for
 more, groups the queued requests by their (hashable) :class:`SamplingConfig` and
-hands each group to the wrapped generator as one call. A *seeded* call is never merged
-with another call (a backend seeds a whole batch, so a seeded row's sample depends on
-its batch-mates): it runs as the batch it was asked as, and gets the answer it would
-get alone.
+hands each group to the wrapped generator as one call. Seeded calls are merged only
+into a backend that samples every row from its own stream
+(:class:`~gymbridge.generation.types.RowSeededGenerator`: HF, vLLM): each row then goes with
+its own seed (``row_seed(seed, j)`` for row ``j`` of its call) and gets the answer it would
+get alone. Into any other backend (which seeds a whole batch, so a seeded row's sample
+would depend on its batch-mates) a seeded call runs as the batch it was asked as.
 
 Invariants: every request gets exactly its own result or its own exception (a
 failing batch is retried row by row, so one bad row cannot fail its neighbours);
@@ -29,10 +31,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from gymbridge.generation.types import Generation, Generator, SamplingConfig, wrapped_policy_version
+from gymbridge.generation.types import (
+    Generation,
+    Generator,
+    SamplingConfig,
+    row_seed,
+    row_seeded,
+    wrapped_policy_version,
+)
 from gymbridge.trajectory.types import GenerationInput
 
 if TYPE_CHECKING:
@@ -58,7 +67,10 @@ class _Pending:
     sampling: SamplingConfig
     future: asyncio.Future[Generation]
     call: int = 0
-    """Which ``generate`` call queued it: seeded calls are grouped per call, never merged."""
+    """Which ``generate`` call queued it: seeded calls are grouped per call, never merged
+    (unless the backend is row-seeded)."""
+    row: int = 0
+    """Its index in that call: its row seed is ``row_seed(seed, row)``."""
 
 
 class BatchingGenerator:
@@ -109,7 +121,9 @@ class BatchingGenerator:
         queue = self._ensure_worker()
         loop = asyncio.get_running_loop()
         self._calls += 1
-        pending = [_Pending(i, sampling, loop.create_future(), self._calls) for i in inputs]
+        pending = [
+            _Pending(inp, sampling, loop.create_future(), self._calls, j) for j, inp in enumerate(inputs)
+        ]
         for p in pending:
             queue.put_nowait(p)
         return list(await asyncio.gather(*(p.future for p in pending)))
@@ -130,9 +144,13 @@ class BatchingGenerator:
                 except TimeoutError:
                     break
             groups: dict[tuple[SamplingConfig, int], list[_Pending]] = {}
+            by_row = row_seeded(self.inner)
             for p in batch:
                 if not p.future.cancelled():
-                    key = (p.sampling, p.call if p.sampling.seed is not None else 0)
+                    if by_row:  # every row carries its own seed: seeded or not, they share a call
+                        key = (replace(p.sampling, seed=None), 0)
+                    else:
+                        key = (p.sampling, p.call if p.sampling.seed is not None else 0)
                     groups.setdefault(key, []).append(p)
             for (sampling, _), group in groups.items():
                 await self._run_group(sampling, group)
@@ -141,7 +159,13 @@ class BatchingGenerator:
         try:
             token = self.timer.start("compute") if self.timer is not None else 0
             try:
-                results = await self.inner.generate([p.inp for p in group], sampling)
+                if row_seeded(self.inner):
+                    seeds = [
+                        None if p.sampling.seed is None else row_seed(p.sampling.seed, p.row) for p in group
+                    ]
+                    results = await self.inner.generate_rows([p.inp for p in group], sampling, seeds)
+                else:
+                    results = await self.inner.generate([p.inp for p in group], sampling)
             finally:
                 if self.timer is not None:
                     self.timer.stop(token)

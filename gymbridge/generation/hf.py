@@ -16,8 +16,10 @@ Invariants:
   greedy), reproducible by a teacher-forced forward pass;
 * a row whose placeholder count disagrees with its media is refused (``ProtocolError``) before
   any model work;
-* every forward chunk runs under a forked, freshly seeded RNG: the global torch RNG is untouched,
-  seeded calls are reproducible and unseeded calls never repeat one another's samples;
+* every row samples from a torch generator of its own (:class:`_RowSampler`; row ``j`` of a call
+  seeded ``s`` from ``row_seed(s, j)``, an unseeded row from fresh entropy): the global torch RNG
+  is untouched, seeded rows are reproducible whatever shares their batch, so seeded requests are
+  batched too (:meth:`HFGenerator.generate_rows`), and unseeded rows never repeat one another;
 * media placeholder and vision boundary tokens are never sampled (logits ``-inf`` before
   temperature / top-p); :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask, as the
   trainer does (docs/generation.md, "Media tokens are never sampled");
@@ -28,12 +30,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +48,7 @@ from gymbridge.generation.types import (
     SamplingConfig,
     fit_max_tokens,
     media_special_token_ids,
+    row_seeds,
 )
 from gymbridge.trajectory.types import GenerationInput
 
@@ -132,6 +135,46 @@ def _tokenizer_processor(path: str) -> Any:
     return TinyVLMProcessor(tokenizer, image_processor, image_token=image_token)
 
 
+class _RowSampler:
+    """A logits processor that samples each row from its own RNG stream (Gumbel-max).
+
+    Given the scores of one step (media ids already masked), it applies temperature and top-p
+    as :meth:`HFGenerator.processed_logprobs` does, draws row ``r``'s token as the argmax of
+    ``logp + Gumbel noise`` from a generator seeded ``seeds[r]`` (an exact sample of the
+    processed distribution), records the token and its logprob, and returns scores that are
+    ``-inf`` everywhere but at the drawn token, so HF's greedy loop picks it. A row's draw
+    depends on its seed and its own logits only, never on its batch-mates.
+    """
+
+    def __init__(self, sampling: SamplingConfig, seeds: Sequence[int], device: torch.device) -> None:
+        self.temperature = sampling.temperature
+        self.top_p = sampling.top_p
+        self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
+        self._logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        from transformers.generation.logits_process import TopPLogitsWarper
+
+        scaled = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            scaled = TopPLogitsWarper(self.top_p)(input_ids, scaled)
+        logp = torch.log_softmax(scaled, dim=-1)
+        vocab = logp.shape[-1]
+        tiny = torch.finfo(torch.float32).tiny
+        uniform = torch.stack(
+            [torch.rand(vocab, generator=g, device=logp.device, dtype=torch.float32) for g in self.generators]
+        )
+        gumbel = -torch.log(-torch.log(uniform.clamp_min(tiny)))
+        chosen = (logp + gumbel).argmax(dim=-1, keepdim=True)  # [B, 1]
+        self._logprobs.append(logp.gather(-1, chosen))
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(-1, chosen, 0.0)
+
+    def logprobs(self) -> torch.Tensor:
+        """``[B, T]``: each step's drawn token's logprob."""
+        return torch.cat(self._logprobs, dim=1)
+
+
 class HFGenerator:
     """Generate with a transformers model; see the module docstring."""
 
@@ -190,7 +233,7 @@ class HFGenerator:
         self._media_cache: MediaCache | None = None
         self.policy_version: int = 0
         """Version of the weights now in :attr:`model` (0: the initial weights)."""
-        # seeds of unseeded calls (the global torch RNG is forked per call, so cannot serve)
+        # seeds of unseeded rows (the global torch RNG is not used for sampling)
         self._entropy = random.SystemRandom()
 
     @classmethod
@@ -266,21 +309,33 @@ class HFGenerator:
     # ------------------------------------------------------------------ generation
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        return await self.generate_rows(inputs, sampling, row_seeds(sampling.seed, len(inputs)))
+
+    async def generate_rows(
+        self, inputs: Sequence[GenerationInput], sampling: SamplingConfig, seeds: Sequence[int | None]
+    ) -> list[Generation]:
+        """Row ``j`` sampled from its own stream seeded ``seeds[j]`` (``None``: fresh entropy).
+
+        The rows share forward passes (chunks of :attr:`max_batch_size`); a row's tokens do not
+        depend on its batch-mates (:class:`~gymbridge.generation.types.RowSeededGenerator`).
+        """
+        if len(seeds) != len(inputs):
+            raise ValueError(f"{len(seeds)} seeds for {len(inputs)} inputs")
+        row_seeds = [self._entropy.getrandbits(63) if s is None else s for s in seeds]
         # each row's max_tokens is lowered to its own room only: rows sharing a forward pass
         # share one GenerationConfig, so rows are grouped by their fitted sampling
         groups: dict[SamplingConfig, list[int]] = {}
         for index, inp in enumerate(inputs):
-            fitted = fit_max_tokens(len(inp.prompt_token_ids), sampling, self.max_model_len)
+            fitted = fit_max_tokens(
+                len(inp.prompt_token_ids), replace(sampling, seed=None), self.max_model_len
+            )
             groups.setdefault(fitted, []).append(index)
         out: list[Generation | None] = [None] * len(inputs)
-        chunk_index = 0
         for fitted, indices in groups.items():
             for start in range(0, len(indices), self.max_batch_size):
                 chunk = indices[start : start + self.max_batch_size]
-                seed = self._chunk_seed(sampling.seed, chunk_index)
-                chunk_index += 1
                 gens = await asyncio.to_thread(
-                    self._generate_locked, [inputs[i] for i in chunk], fitted, seed
+                    self._generate_locked, [inputs[i] for i in chunk], fitted, [row_seeds[i] for i in chunk]
                 )
                 for i, gen in zip(chunk, gens, strict=True):
                     out[i] = gen
@@ -291,26 +346,11 @@ class HFGenerator:
         """Held while a forward pass runs: whoever replaces the weights takes it first."""
         return self._lock
 
-    def _chunk_seed(self, seed: int | None, chunk_index: int) -> int:
-        """The RNG seed of one forward chunk of a ``generate`` call.
-
-        Unseeded calls draw fresh entropy (the global RNG is forked and restored around each
-        chunk, so it cannot carry randomness from one call to the next); seeded calls give
-        chunk 0 the seed itself and later chunks seeds derived from it, so rows of different
-        chunks never replay each other's random stream.
-        """
-        if seed is None:
-            return self._entropy.getrandbits(63)
-        if chunk_index == 0:
-            return seed
-        digest = hashlib.blake2b(f"{seed}/{chunk_index}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big") >> 1
-
     def _generate_locked(
-        self, inputs: list[GenerationInput], sampling: SamplingConfig, seed: int
+        self, inputs: list[GenerationInput], sampling: SamplingConfig, seeds: list[int]
     ) -> list[Generation]:
         with self._lock:
-            return self._generate_sync(inputs, sampling, seed)
+            return self._generate_sync(inputs, sampling, seeds)
 
     def check_token_ids(self, token_ids: Sequence[int], where: str) -> None:
         """``ProtocolError`` unless every id indexes the model's embedding (a bad id would crash it)."""
@@ -403,6 +443,8 @@ class HFGenerator:
         return kwargs
 
     def _generation_config(self, sampling: SamplingConfig) -> Any:
+        """HF's greedy loop: the argmax of the processed scores. Sampling happens in a
+        :class:`_RowSampler` on those scores, which leaves one finite score per row (its draw)."""
         from transformers import GenerationConfig
 
         stops = sorted(set(self.codec.stop_token_ids) | set(sampling.stop_token_ids))
@@ -410,21 +452,18 @@ class HFGenerator:
             "max_new_tokens": sampling.max_tokens,
             "eos_token_id": stops,
             "pad_token_id": self.pad_token_id,
-            "output_scores": True,
             "return_dict_in_generate": True,
+            # greedy reads the logprobs off the scores; the row sampler records its own
+            "output_scores": sampling.temperature == 0.0,
         }
         if self.suppressed_token_ids:
-            # SuppressTokensLogitsProcessor runs before the temperature / top-p warpers, and
-            # ``scores`` are the processed logits: the logprobs are of the masked distribution
+            # SuppressTokensLogitsProcessor runs before the row sampler's temperature / top-p,
+            # so the logprobs are of the masked distribution
             common["suppress_tokens"] = list(self.suppressed_token_ids)
-        if sampling.temperature == 0.0:
-            return GenerationConfig(do_sample=False, **common)  # type: ignore[no-untyped-call]
-        return GenerationConfig(  # type: ignore[no-untyped-call]
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0, **common
-        )
+        return GenerationConfig(do_sample=False, **common)  # type: ignore[no-untyped-call]
 
     def _generate_sync(
-        self, inputs: list[GenerationInput], sampling: SamplingConfig, seed: int
+        self, inputs: list[GenerationInput], sampling: SamplingConfig, seeds: list[int]
     ) -> list[Generation]:
         media = self.media_kwargs(inputs)
         longest = max(len(i.prompt_token_ids) for i in inputs)
@@ -441,20 +480,29 @@ class HFGenerator:
         config = self._generation_config(sampling)
         stops = set(config.eos_token_id)
         version = self.policy_version
+        sampler = None if sampling.temperature == 0.0 else _RowSampler(sampling, seeds, device)
+        from transformers import LogitsProcessorList
+
+        extra = LogitsProcessorList([sampler] if sampler is not None else [])
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
-            torch.manual_seed(seed)
-            out = self.model.generate(**self.model_inputs(ids, mask, media), generation_config=config)
-        steps = len(out.scores)
-        new_tokens = out.sequences[:, longest : longest + steps]  # [B, T]
-        # the sampled token's logprob, step by step: never a [B, T, V] copy (tens of GB for a
-        # real vocabulary at B=64, T=1024) and only [B, T] numbers leave the device
-        logps = torch.cat(
-            [
-                torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t : t + 1].to(s.device))
-                for t, s in enumerate(out.scores)
-            ],
-            dim=1,
-        )  # [B, T]
+            out = self.model.generate(
+                **self.model_inputs(ids, mask, media), generation_config=config, logits_processor=extra
+            )
+        new_tokens = out.sequences[:, longest:]  # [B, T]
+        if sampler is not None:
+            logps = sampler.logprobs()  # [B, T]
+        else:
+            # the chosen token's logprob, step by step: never a [B, T, V] copy (tens of GB for a
+            # real vocabulary at B=64, T=1024) and only [B, T] numbers leave the device
+            logps = torch.cat(
+                [
+                    torch.log_softmax(s.float(), dim=-1).gather(-1, new_tokens[:, t : t + 1].to(s.device))
+                    for t, s in enumerate(out.scores)
+                ],
+                dim=1,
+            )
+        steps = logps.shape[1]
+        new_tokens = new_tokens[:, :steps]
         token_rows: list[list[int]] = new_tokens.cpu().tolist()
         logp_rows: list[list[float]] = logps.cpu().tolist()
         results: list[Generation] = []

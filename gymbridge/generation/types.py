@@ -23,10 +23,11 @@ Invariants of a :class:`Generation`:
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from gymbridge.errors import GymbridgeError
 from gymbridge.trajectory.types import GenerationInput
@@ -37,10 +38,14 @@ __all__ = [
     "FinishReason",
     "Generation",
     "Generator",
+    "RowSeededGenerator",
     "SamplingConfig",
     "is_greedy",
     "media_special_token_ids",
     "model_sub_configs",
+    "row_seed",
+    "row_seeded",
+    "row_seeds",
     "wrapped_policy_version",
 ]
 
@@ -68,7 +73,8 @@ class SamplingConfig:
     divided into inf / NaN. ``max_tokens`` bounds the generated
     tokens (the backend may lower it to fit the context). ``stop_token_ids`` are
     added to the model's own end-of-sequence ids. ``seed`` makes sampling
-    reproducible for a given batch composition.
+    reproducible: row ``j`` of a seeded call samples from its own stream, seeded
+    :func:`row_seed` ``(seed, j)``, whatever else shares its batch.
     """
 
     temperature: float = 1.0
@@ -133,6 +139,46 @@ class Generator(Protocol):
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
         """Generate one :class:`Generation` per input, in order."""
         ...
+
+
+@runtime_checkable
+class RowSeededGenerator(Generator, Protocol):
+    """A generator that samples every row from a random stream of its own (HF, vLLM).
+
+    ``generate_rows(inputs, sampling, seeds)`` gives row ``j`` what ``generate([inputs[j]],
+    replace(sampling, seed=seeds[j]))`` would give alone (``None``: an unseeded row), however
+    the rows are batched: so a :class:`~gymbridge.generation.batching.BatchingGenerator` can
+    merge seeded requests into one forward pass and each still gets its own answer (the same
+    tokens, logprobs equal up to the float summation order of the batch's shapes).
+    ``generate(inputs, sampling)`` with a seed is ``generate_rows`` with
+    ``[row_seed(seed, j) for j]``.
+    """
+
+    async def generate_rows(
+        self, inputs: Sequence[GenerationInput], sampling: SamplingConfig, seeds: Sequence[int | None]
+    ) -> list[Generation]:
+        """One :class:`Generation` per input, in order; row ``j`` sampled under ``seeds[j]``."""
+        ...
+
+
+def row_seeded(generator: Any) -> TypeGuard[RowSeededGenerator]:
+    """Whether ``generator`` offers :meth:`RowSeededGenerator.generate_rows` (a callable attribute)."""
+    return callable(getattr(generator, "generate_rows", None))
+
+
+def row_seed(seed: int, row: int) -> int:
+    """The sampling seed of row ``row`` of a call seeded ``seed``: ``seed`` itself for row 0 (a
+    one-row call samples as seeded), a 63-bit hash of ``(seed, row)`` for the others (rows of
+    one call never replay each other's stream)."""
+    if row == 0:
+        return seed
+    digest = hashlib.blake2b(f"gymbridge-row:{seed}:{row}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def row_seeds(seed: int | None, rows: int) -> list[int | None]:
+    """The row seeds of a call of ``rows`` rows seeded ``seed`` (:func:`row_seed`; ``None``: unseeded)."""
+    return [None] * rows if seed is None else [row_seed(seed, j) for j in range(rows)]
 
 
 def wrapped_policy_version(inner: str) -> Any:

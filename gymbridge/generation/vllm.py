@@ -35,6 +35,7 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from gymbridge.errors import GymbridgeError, WeightSyncError
@@ -44,6 +45,7 @@ from gymbridge.generation.types import (
     SamplingConfig,
     fit_max_tokens,
     media_special_token_ids,
+    row_seeds,
 )
 from gymbridge.trajectory.types import GenerationInput
 
@@ -416,8 +418,20 @@ class VLLMGenerator:
         return generation_from_output(final, version, inp.prompt_token_ids)
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:
+        return await self.generate_rows(inputs, sampling, row_seeds(sampling.seed, len(inputs)))
+
+    async def generate_rows(
+        self, inputs: Sequence[GenerationInput], sampling: SamplingConfig, seeds: Sequence[int | None]
+    ) -> list[Generation]:
+        """Row ``j`` as its own request with ``SamplingParams.seed = seeds[j]`` (vLLM seeds each
+        request's sampler apart: :class:`~gymbridge.generation.types.RowSeededGenerator`)."""
+        if len(seeds) != len(inputs):
+            raise ValueError(f"{len(seeds)} seeds for {len(inputs)} inputs")
         # each row's max_tokens is fitted to its own room (checked for all rows before any request)
-        fitted = [fit_max_tokens(len(i.prompt_token_ids), sampling, self.max_model_len) for i in inputs]
+        fitted = [
+            fit_max_tokens(len(i.prompt_token_ids), replace(sampling, seed=seed), self.max_model_len)
+            for i, seed in zip(inputs, seeds, strict=True)
+        ]
         # vLLM batches concurrent requests itself (continuous batching).
         return list(await asyncio.gather(*(self._one(i, s) for i, s in zip(inputs, fitted, strict=True))))
 

@@ -373,3 +373,21 @@ def test_media_special_token_ids_reads_every_known_spelling() -> None:
     )
     assert media_special_token_ids(gemma) == (3, 4, 6)
     assert media_special_token_ids(types.SimpleNamespace(eos_token_id=2, use_cache=True)) == ()
+
+
+async def test_regression_rows_of_a_seeded_call_get_seeds_of_their_own(fake_vllm: Any) -> None:
+    """Every row of a seeded call went to vLLM with the same seed, so a group of G rows of one
+    prompt asked in one call drew G identical samples. Row j now goes with ``row_seed(seed, j)``
+    (row 0: the seed itself), as in every row-seeded backend, and ``generate_rows`` sends the
+    seeds it is given."""
+    from gymbridge.generation.types import row_seed
+
+    engine = FakeEngine()
+    gen = make_gen(engine)
+    rows = [GenerationInput(prompt_token_ids=[1, 2])] * 4
+    await gen.generate(rows, SamplingConfig(seed=5))
+    sent = [params.seed for _, params, _ in engine.requests]
+    assert sent == [5, row_seed(5, 1), row_seed(5, 2), row_seed(5, 3)] and len(set(sent)) == 4
+    engine.requests.clear()
+    await gen.generate_rows(rows[:3], SamplingConfig(seed=99), [11, None, 13])
+    assert [params.seed for _, params, _ in engine.requests] == [11, None, 13]
