@@ -18,6 +18,8 @@ Handshake (what makes opening a named segment safe):
   and the SHA-256 of the layout; a generator on another host (or another ``/dev/shm``)
   finds no such file or the wrong nonce and refuses, and the trainer falls back to the
   broadcast;
+* both sides map with ``MAP_POPULATE`` (the page faults of a fresh segment are paid at set-up,
+  not by the first sync);
 * the trainer unlinks the files once the generator has mapped them (nothing is left in
   ``/dev/shm`` after a crash past that point), and reserves their memory with
   ``posix_fallocate`` first, so a full ``/dev/shm`` is an error at set-up, not a ``SIGBUS``
@@ -68,6 +70,11 @@ NAME = re.compile(r"^gymbridge-weights-[0-9a-f]{32}-[01]$")
 COPY_THREADS = 4
 PARALLEL_BYTES = 64 * 1024 * 1024
 """Segments smaller than this are written by one thread (the threads' start-up would cost more)."""
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+"""Both sides map with the page tables filled at set-up (Linux ``MAP_POPULATE``): the first sync
+into a fresh segment otherwise paid a page fault per 4 KiB page (1.4-3.5 s for 400 MiB against
+0.2-0.3 s for a later copy, measured under load), and the generator's first forward after the
+swap paid them again."""
 
 
 def _layout_digest(specs: Sequence[TensorSpec]) -> bytes:
@@ -138,7 +145,7 @@ class SharedWeightsWriter:
                 self._linked.append(path)
                 try:
                     os.posix_fallocate(fd, 0, self.nbytes)  # ENOSPC now, never SIGBUS mid-copy
-                    mm = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    mm = mmap.mmap(fd, self.nbytes, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
                 finally:
                     os.close(fd)
                 mm[: len(header)] = header
@@ -226,7 +233,7 @@ class SharedWeightsReader:
                 raise WeightSyncError(f"{path} is not a private regular file of this user")
             if st.st_size != self.nbytes:
                 raise WeightSyncError(f"{path} holds {st.st_size} bytes, the layout needs {self.nbytes}")
-            return mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+            return mmap.mmap(fd, self.nbytes, _MAP_FLAGS, mmap.PROT_READ)
         finally:
             os.close(fd)
 
