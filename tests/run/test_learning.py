@@ -21,9 +21,10 @@ so no two runs are bit-identical: the test asserts the reward over the last 10 s
 worst at 0.931; at one thread one seed of 10 stayed at chance, a state that page explains).
 
 The controls and the multi-turn variant run with ``rollout.native: true`` and one torch thread
-(``one_torch_thread``), which makes each run bit-reproducible (every rollout's sampling seed is
-derived from ``(seed, task, rollout index)`` and the reduction order is fixed): the same numbers
-alone, on a pytest-xdist worker, or on a machine with more cores.
+(``one_torch_thread``): every rollout's sampling seed is derived from ``(seed, task, rollout
+index)`` and each row samples from its own stream, so a rerun draws the same tokens alone, on a
+pytest-xdist worker, or on a machine with more cores; the rows share forward passes in batches
+their arrival makes, so logprobs agree to float rounding (a near-tie could still flip a token).
 
 Step 1 comes before any update, after the warm-up: its 16 rollouts sample a policy that has seen
 no reward yet, so its reward is about chance, 0.5 give or take the draw (a fair coin gives 10 or

@@ -123,7 +123,9 @@ def test_toy_shaping_is_opt_in_and_makes_the_reward_rise(tmp_path: Path) -> None
 
 
 def test_reruns_with_the_same_seed_match(tmp_path: Path) -> None:
-    """Per-rollout sampling seeds from (seed, task, rollout): same seed, same numbers; another differs."""
+    """Per-rollout sampling seeds from (seed, task, rollout): same seed, same samples and the same
+    numbers up to float rounding (the rows share forward passes in whatever batches their arrival
+    makes: docs/generation.md, "Sampling seeds"); another seed differs."""
     settings = {**SMALL, "rollout.native": True, "bridge.group_size": 4, "output.payload_metrics": False}
     settings["shaping.kind"] = "token_rate"
     runs = iter(range(100))
@@ -134,8 +136,10 @@ def test_reruns_with_the_same_seed_match(tmp_path: Path) -> None:
         return [(m.loss, m.grad_norm, s) for m, s in zip(res.steps, res.shaping_rewards, strict=True)]
 
     a, b = run(0), run(0)
-    assert a == b
-    assert run(1) != a
+    assert [s for _, _, s in a] == [s for _, _, s in b]  # the same sampled tokens
+    for (loss_a, grad_a, _), (loss_b, grad_b, _) in zip(a, b, strict=True):
+        assert (loss_b, grad_b) == pytest.approx((loss_a, grad_a), rel=1e-5, abs=1e-7)
+    assert [s for _, _, s in run(1)] != [s for _, _, s in a]
 
 
 @pytest.mark.parametrize(

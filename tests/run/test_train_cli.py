@@ -197,7 +197,7 @@ def test_model_path_trains_like_the_same_weights_in_memory(tmp_path: Path) -> No
     tiny.processor.image_processor.save_pretrained(model_dir)
     records = []
     for name, model in (("tiny", "tiny"), ("path", str(model_dir))):
-        flags = {"model": model, "native": True, "steps": 1, "prompts_per_step": 1, "group_size": 2}
+        flags = {"model": model, "native": True, "steps": 1, "prompts_per_step": 1, "group_size": 4}
         flags["run_dir"] = str(tmp_path / name)
         sets = ["warmup.steps=0", "shaping.kind=token_rate", "rollout.max_tokens=16"]
         result, text = quiet_train(load_run_config(["smoke"], sets, flags))
