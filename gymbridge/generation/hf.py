@@ -228,6 +228,9 @@ class HFGenerator:
         self.vocab_size: int | None = getattr(embeddings, "num_embeddings", None)
         """Rows of the input embedding: a prompt id outside ``[0, vocab_size)`` is refused."""
         self._forward_params = frozenset(inspect.signature(model.forward).parameters)
+        self._generate_takes_model_defaults = (
+            "use_model_defaults" in inspect.signature(model.generate).parameters
+        )
         # a thread lock taken inside the worker thread: not bound to any event loop
         self._lock = threading.Lock()
         self._media_cache: MediaCache | None = None
@@ -484,9 +487,16 @@ class HFGenerator:
         from transformers import LogitsProcessorList
 
         extra = LogitsProcessorList([sampler] if sampler is not None else [])
+        # a checkpoint's own generation_config (Qwen2-VL-Instruct's: top_k 1, temperature 0.01)
+        # must not add HF's warpers in front of the row sampler: transformers 4.x fills every
+        # setting left at its global default (do_sample=False included) from it unless told not to
+        defaults = {"use_model_defaults": False} if self._generate_takes_model_defaults else {}
         with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]), torch.no_grad():
             out = self.model.generate(
-                **self.model_inputs(ids, mask, media), generation_config=config, logits_processor=extra
+                **self.model_inputs(ids, mask, media),
+                generation_config=config,
+                logits_processor=extra,
+                **defaults,
             )
         new_tokens = out.sequences[:, longest:]  # [B, T]
         if sampler is not None:

@@ -329,3 +329,26 @@ async def test_prompt_seeded_generator_batches_a_row_seeded_backend(tiny_gen: HF
     apart = await PromptSeededGenerator(_OneByOne(), 3).generate(inputs, sampling)
     assert calls == [1] * 8
     assert [g.token_ids for g in together] == [g.token_ids for g in apart]
+
+
+async def test_regression_a_checkpoints_generation_config_cannot_narrow_the_sampler(
+    tiny_gen: HFGenerator,
+) -> None:
+    """A real checkpoint ships its own generation_config (Qwen2-VL-Instruct: ``do_sample`` with
+    ``top_k=1``, ``temperature=0.01``) and transformers fills unset settings from it: 4.x fills
+    settings left at their defaults too and puts its warpers in front of ours (every sample the
+    argmax), 5.x appends them after the row sampler. Either way the rows sample the requested
+    distribution and report its logprobs."""
+    model = tiny_gen.model
+    saved = model.generation_config
+    model.generation_config = type(saved)(do_sample=True, top_k=1, top_p=0.001, temperature=0.01)
+    try:
+        inp = make_input(tiny_gen, "Say something.")
+        sampling = SamplingConfig(temperature=1.0, max_tokens=3)
+        gens = await tiny_gen.generate_rows([inp] * 16, sampling, list(range(16)))
+        assert len({tuple(g.token_ids) for g in gens}) > 4
+        for g in gens[:3]:
+            scored = tiny_gen.score_sync(inp, g.token_ids, sampling)
+            assert max(abs(a - b) for a, b in zip(g.logprobs, scored, strict=True)) < 1e-5
+    finally:
+        model.generation_config = saved
