@@ -17,8 +17,8 @@ The default smoke's test runs exactly what a user runs: the shipped config on th
 the agent and the model server) at the machine's default torch threads. There the rollout order
 within a group follows HTTP arrival and the thread count changes the order of float reductions,
 so no two runs are bit-identical: the test asserts the reward over the last 10 steps >= 0.8
-(docs/benchmarks.md, "Learning robustness": at default threads 10 of 10 seeds ended >= 0.9, the
-worst at 0.931; at one thread one seed of 10 stayed at chance, a state that page explains).
+(docs/benchmarks.md, "Learning robustness": on the row-seeded sampler 20 of 20 runs, seeds 0-9 at
+default threads and at one thread, ended >= 0.9, the worst at 0.956).
 
 The controls and the multi-turn variant run with ``rollout.native: true`` and one torch thread
 (``one_torch_thread``): every rollout's sampling seed is derived from ``(seed, task, rollout
