@@ -135,30 +135,37 @@ def _tokenizer_processor(path: str) -> Any:
     return TinyVLMProcessor(tokenizer, image_processor, image_token=image_token)
 
 
+def _warped_logprobs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """Log-probabilities of float ``logits`` after ``sampling``'s temperature and top-p (raw when
+    greedy): what the generator samples from and the trainer's teacher forcing reproduces."""
+    if sampling.temperature == 0.0:
+        return torch.log_softmax(logits, dim=-1)
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    scores = TemperatureLogitsWarper(sampling.temperature)(None, logits)
+    if sampling.top_p < 1.0:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    return torch.log_softmax(scores, dim=-1)
+
+
 class _RowSampler:
     """A logits processor that samples each row from its own RNG stream (Gumbel-max).
 
     Given the scores of one step (media ids already masked), it applies temperature and top-p
-    as :meth:`HFGenerator.processed_logprobs` does, draws row ``r``'s token as the argmax of
-    ``logp + Gumbel noise`` from a generator seeded ``seeds[r]`` (an exact sample of the
-    processed distribution), records the token and its logprob, and returns scores that are
-    ``-inf`` everywhere but at the drawn token, so HF's greedy loop picks it. A row's draw
+    (:func:`_warped_logprobs`, as :meth:`HFGenerator.processed_logprobs` does), draws row
+    ``r``'s token as the argmax of ``logp + Gumbel noise`` from a generator seeded ``seeds[r]``
+    (an exact sample of the processed distribution), records the token's logprob, and returns
+    scores that are ``-inf`` everywhere but at the drawn token, so HF's greedy loop picks it. A row's draw
     depends on its seed and its own logits only, never on its batch-mates.
     """
 
     def __init__(self, sampling: SamplingConfig, seeds: Sequence[int], device: torch.device) -> None:
-        self.temperature = sampling.temperature
-        self.top_p = sampling.top_p
+        self.sampling = sampling
         self.generators = [torch.Generator(device=device).manual_seed(int(s)) for s in seeds]
         self._logprobs: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from transformers.generation.logits_process import TopPLogitsWarper
-
-        scaled = scores.float() / self.temperature
-        if self.top_p < 1.0:
-            scaled = TopPLogitsWarper(self.top_p)(input_ids, scaled)
-        logp = torch.log_softmax(scaled, dim=-1)
+        logp = _warped_logprobs(scores.float(), self.sampling)
         vocab = logp.shape[-1]
         tiny = torch.finfo(torch.float32).tiny
         uniform = torch.stack(
@@ -530,15 +537,7 @@ class HFGenerator:
 
     def processed_logprobs(self, logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         """``[T, V]`` logits -> log-probabilities under ``sampling`` (media mask, temperature, top-p)."""
-        logits = suppress_logits(logits.float(), self.suppressed_token_ids)
-        if sampling.temperature == 0.0:
-            return torch.log_softmax(logits, dim=-1)
-        from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
-
-        scores = TemperatureLogitsWarper(sampling.temperature)(None, logits)
-        if sampling.top_p < 1.0:
-            scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-        return torch.log_softmax(scores, dim=-1)
+        return _warped_logprobs(suppress_logits(logits.float(), self.suppressed_token_ids), sampling)
 
     def score_sync(
         self, inp: GenerationInput, continuation: Sequence[int], sampling: SamplingConfig
