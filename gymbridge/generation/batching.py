@@ -94,6 +94,8 @@ class BatchingGenerator:
         self.max_batch_size = max_batch_size
         self.window_s = window_s
         self.timer = timer
+        self._generate_rows = inner.generate_rows if row_seeded(inner) else None
+        """Set when the inner generator samples each row from its own stream: seeded requests merge."""
         self._queue: asyncio.Queue[_Pending] | None = None
         self._worker: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,10 +146,11 @@ class BatchingGenerator:
                 except TimeoutError:
                     break
             groups: dict[tuple[SamplingConfig, int], list[_Pending]] = {}
-            by_row = row_seeded(self.inner)
             for p in batch:
                 if not p.future.cancelled():
-                    if by_row:  # every row carries its own seed: seeded or not, they share a call
+                    if (
+                        self._generate_rows is not None
+                    ):  # every row carries its own seed: seeded or not, they share a call
                         key = (replace(p.sampling, seed=None), 0)
                     else:
                         key = (p.sampling, p.call if p.sampling.seed is not None else 0)
@@ -159,11 +162,11 @@ class BatchingGenerator:
         try:
             token = self.timer.start("compute") if self.timer is not None else 0
             try:
-                if row_seeded(self.inner):
+                if self._generate_rows is not None:
                     seeds = [
                         None if p.sampling.seed is None else row_seed(p.sampling.seed, p.row) for p in group
                     ]
-                    results = await self.inner.generate_rows([p.inp for p in group], sampling, seeds)
+                    results = await self._generate_rows([p.inp for p in group], sampling, seeds)
                 else:
                     results = await self.inner.generate([p.inp for p in group], sampling)
             finally:

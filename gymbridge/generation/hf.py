@@ -335,10 +335,9 @@ class HFGenerator:
         # each row's max_tokens is lowered to its own room only: rows sharing a forward pass
         # share one GenerationConfig, so rows are grouped by their fitted sampling
         groups: dict[SamplingConfig, list[int]] = {}
+        unseeded = replace(sampling, seed=None)  # the rows' seeds travel apart
         for index, inp in enumerate(inputs):
-            fitted = fit_max_tokens(
-                len(inp.prompt_token_ids), replace(sampling, seed=None), self.max_model_len
-            )
+            fitted = fit_max_tokens(len(inp.prompt_token_ids), unseeded, self.max_model_len)
             groups.setdefault(fitted, []).append(index)
         out: list[Generation | None] = [None] * len(inputs)
         for fitted, indices in groups.items():
