@@ -36,7 +36,9 @@ class BridgeConfig(StrictModel):
     """The G rollouts of a group share one copy of each medium through every hop."""
     advantage: AdvantageMode = "group_norm"
     """Group advantages (:func:`~gymbridge.tensors.batch.group_advantages`): ``group_norm``
-    ``(r - mean) / std`` (GRPO), ``group_mean`` ``r - mean`` (Dr. GRPO), ``none`` the raw reward."""
+    ``(r - mean) / std`` (GRPO), ``group_mean`` ``r - mean`` (Dr. GRPO), ``none`` the raw reward;
+    ``batch_norm`` / ``batch_mean`` the same over the step's whole batch instead of each group (a
+    group that earned one reward throughout still trains: docs/grpo.md, *Group advantages*)."""
     reward_components_check: Literal["sum", "off"] = "off"
     """``sum``: a result whose ``reward_components`` do not sum to its reward is a failed rollout."""
     on_noncontiguous: Literal["error", "split"] = "error"

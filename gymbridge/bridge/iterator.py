@@ -46,6 +46,7 @@ import orjson
 from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.errors import BridgeStalledError, TrajectoryError
+from gymbridge.tensors.batch import BATCH_ADVANTAGE_MODES
 
 if TYPE_CHECKING:
     from gymbridge.media import MediaPolicy
@@ -684,7 +685,7 @@ class BridgeIterator:
                 )
             raise StopAsyncIteration
         assembling = time.perf_counter()
-        batch = self._assemble(groups)
+        batch, groups = self._assemble(groups)
         finished = time.perf_counter()
         timings = BatchTimings(
             wait_s=finished - asked,
@@ -802,12 +803,27 @@ class BridgeIterator:
             }
         )
 
-    def _assemble(self, groups: list[GroupResult]) -> TrainBatch:
+    def _assemble(self, groups: list[GroupResult]) -> tuple[TrainBatch, list[GroupResult]]:
+        """The step's batch, and ``groups`` with batches carrying the advantages it trains on."""
         from gymbridge.tensors import TrainBatch
 
         # each group's batch has group ids 0 and sample ids 0..n-1 (``_build``): renumbering
         # gives group k the id k and keeps sample ids unique across groups
-        return TrainBatch.cat([g.batch for g in groups if g.batch is not None], renumber=True)
+        batch = TrainBatch.cat([g.batch for g in groups if g.batch is not None], renumber=True)
+        if self.config.advantage not in BATCH_ADVANTAGE_MODES:
+            return batch, groups
+        # each group's batch was built with its own rewards as the baseline; the mode's baseline
+        # is the step's whole batch, and the groups' records show the advantages it trains on
+        batch = batch.batch_advantages(self.config.advantage)
+        out: list[GroupResult] = []
+        row = 0
+        for g in groups:
+            if g.batch is not None:
+                rows = len(g.batch)
+                g = replace(g, batch=replace(g.batch, advantages=batch.advantages[row : row + rows].clone()))
+                row += rows
+            out.append(g)
+        return batch, out
 
     def __iter__(self) -> Iterator[TrainBatch]:
         loop = asyncio.new_event_loop()

@@ -51,9 +51,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AdvantageMode", "TrainBatch", "group_advantages"]
+__all__ = ["BATCH_ADVANTAGE_MODES", "AdvantageMode", "TrainBatch", "group_advantages"]
 
-AdvantageMode = Literal["group_norm", "group_mean", "none"]
+AdvantageMode = Literal["group_norm", "group_mean", "batch_norm", "batch_mean", "none"]
+BATCH_ADVANTAGE_MODES: frozenset[str] = frozenset({"batch_norm", "batch_mean"})
+"""Modes whose baseline is the whole training batch, not the group (:meth:`TrainBatch.batch_advantages`)."""
 
 _ROW_TENSORS = (
     "input_ids",
@@ -80,9 +82,14 @@ def group_advantages(
     """Advantages ``[T]`` for rewards ``[T]`` in consecutive groups of ``group_size``.
 
     Samples where ``sample_mask`` is False get 0 and do not enter their group's mean/std.
+    ``batch_norm`` / ``batch_mean`` ignore the groups: all ``T`` rewards are one group, normalised
+    as ``group_norm`` / ``group_mean`` (the baseline is the mean reward of everything given).
     """
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    if mode in BATCH_ADVANTAGE_MODES:
+        group_size = max(rewards.numel(), 1)
+        mode = "group_norm" if mode == "batch_norm" else "group_mean"
     r = rewards.to(torch.float64).reshape(-1, group_size)
     m = (
         torch.ones_like(r, dtype=torch.float64)
@@ -309,6 +316,30 @@ class TrainBatch:
     def repeat_interleave(self, repeats: int | torch.Tensor) -> TrainBatch:
         """Repeat each row ``repeats`` times (int or int64 ``[B]``); media rows share segments."""
         return self.select(_repeat_index(repeats, len(self)))
+
+    def batch_advantages(self, mode: AdvantageMode, *, eps: float = 1e-6) -> TrainBatch:
+        """A copy whose advantages use this whole batch as the baseline (``batch_norm`` / ``batch_mean``).
+
+        One reward per sample (``sample_ids``; a multi-turn sample's rows share it), samples whose
+        ``sample_mask`` is False left out of the mean and std and given 0, as in a group. A
+        group whose rollouts all earned the same reward still gets a signal: its sign says
+        whether that reward beat the batch's mean.
+        """
+        if mode not in BATCH_ADVANTAGE_MODES:
+            raise ValueError(f"batch_advantages needs {sorted(BATCH_ADVANTAGE_MODES)}, not {mode!r}")
+        if not len(self):
+            return self
+        samples, row_sample = torch.unique(self.sample_ids, return_inverse=True)
+        first = torch.full((samples.numel(),), len(self), dtype=torch.int64)
+        first.scatter_reduce_(0, row_sample, torch.arange(len(self)), reduce="amin")
+        adv = group_advantages(
+            self.rewards[first].to(torch.float64),
+            samples.numel(),
+            mode=mode,
+            eps=eps,
+            sample_mask=self.sample_mask[first],
+        )
+        return replace(self, advantages=adv[row_sample] * self.sample_mask.to(torch.float32))
 
     def trim(self) -> TrainBatch:
         """Drop trailing columns that are padding in every row."""

@@ -115,11 +115,12 @@ def test_regression_a_user_dataset_gets_the_same_sampling_rule(tmp_path: Path) -
         write_dataset(cfg, None, out)
 
 
-@pytest.mark.parametrize("mode", ["group_mean", "group_norm"])
+@pytest.mark.parametrize("mode", ["group_mean", "group_norm", "batch_norm", "batch_mean"])
 def test_advantage_mode_from_the_launcher_reaches_every_rollout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
 ) -> None:
-    """``--set bridge.advantage=group_mean`` (Dr. GRPO: no std division) reaches the trained rollouts."""
+    """``--set bridge.advantage=group_mean`` (Dr. GRPO: no std division) reaches the trained rollouts;
+    a batch mode's baseline is the step's rollouts, and its records show what was trained."""
     run = tmp_path / "run"
     argv = ["--native", "--steps", "2", "--prompts", "2", "--group-size", "4", "--no-progress"]
     argv += ["--run-dir", str(run), "--set", f"bridge.advantage={mode}"]
@@ -135,6 +136,10 @@ def test_advantage_mode_from_the_launcher_reaches_every_rollout(
             rewards = torch.tensor([float(r["reward"]) for r in group])  # type: ignore[arg-type]
             mixed += bool(rewards.std() > 0)
             want = group_advantages(rewards, len(group), mode=mode)  # type: ignore[arg-type]
+            if mode.startswith("batch"):
+                every = torch.tensor([float(r["reward"]) for r in rollouts])  # type: ignore[arg-type]
+                whole = group_advantages(every, len(every), mode=mode).tolist()  # type: ignore[arg-type]
+                want = torch.tensor([whole[rollouts.index(r)] for r in group])
             for r, a in zip(group, want.tolist(), strict=True):
                 assert float(r["advantage"]) == pytest.approx(a, abs=1e-5)  # type: ignore[arg-type]
                 checked += 1

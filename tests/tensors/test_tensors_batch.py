@@ -145,6 +145,36 @@ def test_split_trajectory_gives_rows_sharing_reward(tiny: TinyVLM, proc: MediaPr
     assert torch.allclose(batch.logprobs[0, : batch.lengths[0]], torch.tensor(split.logprobs(0)))
 
 
+@pytest.mark.parametrize("mode", ["batch_norm", "batch_mean"])
+def test_batch_advantages_baseline_the_whole_batch(tiny: TinyVLM, proc: MediaProcessor, mode: str) -> None:
+    """A group whose rollouts all earned one reward gets no signal from its own mean; with a batch
+    mode its sign says whether that reward beat the batch's. A split (two-row) sample counts
+    once, a masked sample gets 0 and stays out of the mean and std."""
+    img = image((1, 1, 1))
+    wrong = [traj([turn(tiny, 0, [img])], 0.0) for _ in range(2)]  # a zero-variance group
+    split = traj([turn(tiny, 0, [img]), turn(tiny, 1, [image((2, 2, 2))], segment=1)], reward=1.0)
+    right = [split, traj([turn(tiny, 0, [img])], 1.0)]
+    masked = [traj([turn(tiny, 0, [img])], 1.0), traj([turn(tiny, 0, [img])], 5.0, mask_sample=True)]
+    parts = [TrainBatch.from_trajectories(g, proc, group_size=2) for g in (wrong, right, masked)]
+    joined = TrainBatch.cat(parts, renumber=True)
+    assert joined.advantages.tolist()[:2] == [0.0, 0.0]  # the group baseline: nothing to learn
+    out = joined.batch_advantages(mode)  # type: ignore[arg-type]
+    assert joined.advantages.tolist()[:2] == [0.0, 0.0]  # a copy
+    assert out.sample_ids.tolist() == [0, 1, 2, 2, 3, 4, 5]  # the split sample's two rows
+    # one reward per trainable sample: 0, 0, 1, 1, 1 (the masked 5.0 left out)
+    want = group_advantages(torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0]), 1, mode=mode)  # type: ignore[arg-type]
+    w = want.tolist()
+    assert out.advantages.tolist() == pytest.approx([w[0], w[1], w[2], w[2], w[3], w[4], 0.0])
+    assert out.advantages[0] < 0 < out.advantages[2]
+    if mode == "batch_mean":
+        assert out.advantages[0].item() == pytest.approx(-0.6)
+    # the same modes straight from trajectories: everything given is the batch
+    direct = TrainBatch.from_trajectories(wrong + right + masked, proc, group_size=2, advantage=mode)  # type: ignore[arg-type]
+    assert torch.allclose(direct.advantages, out.advantages)
+    with pytest.raises(ValueError, match="batch_norm"):
+        joined.batch_advantages("group_norm")
+
+
 def test_dedup_off_is_the_same_batch_with_copies(tiny: TinyVLM) -> None:
     trajs = mixed_batch(tiny, G)
     on = TrainBatch.from_trajectories(trajs, MediaProcessor(tiny.processor), group_size=G)
