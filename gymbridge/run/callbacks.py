@@ -227,6 +227,8 @@ def step_line(report: StepReport, record: Mapping[str, Any], config: RunConfig) 
         line += f"  lr {m.lr:.2e}"
     if config.trainer.kl_coef > 0:
         line += f"  kl {m.kl:.5f} ({config.trainer.kl_estimator})"
+    if m.entropy is not None:
+        line += f"  entropy {m.entropy:.3f}"
     if config.trainer.mask_truncated:
         line += f"  truncated masked {m.truncated_masked}"
     if config.bridge.dynamic_sampling:

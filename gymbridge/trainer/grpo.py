@@ -5,8 +5,9 @@ A :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row
 temperature; over the rollouts' top-p nucleus and without the suppressed media tokens, as the
 generator sampled); the old one is ``batch.logprobs[b, t]``, the generator's. With ``ratio = exp(new
 - old)`` and the row's advantage ``A`` the per-token loss is ``-min(ratio * A, clip(ratio, 1 -
-eps_low, 1 + eps_high) * A)``, plus ``kl_coef * KL_t`` to a frozen reference, under the batch's
-``loss_mask``. Public pieces: :class:`GRPOConfig` (every variant: lr schedule, KL, dual clip,
+eps_low, 1 + eps_high) * A)``, plus ``kl_coef * KL_t`` to a frozen reference, minus
+``entropy_coef * H_t`` (the policy's entropy at that token), under the batch's ``loss_mask``.
+Public pieces: :class:`GRPOConfig` (every variant: lr schedule, KL, entropy bonus, dual clip,
 ``is_cap``, loss aggregation, top-p, ``mask_truncated``, packing), :class:`GRPOTrainer`
 (``prepare``, ``compute_gradients``, ``step``), :class:`StepMetrics`, :func:`token_logprobs`,
 :func:`skip_reason`.
@@ -21,8 +22,8 @@ Invariants:
   takes; no media key ever replaces the text ``input_ids`` / ``attention_mask``;
 * the reference policy is never updated; the model runs in eval mode, so the ratio is 1 while the
   weights are the generator's;
-* a batch with no loss token, or only zero advantages and no KL, does not step the optimizer
-  (``StepMetrics.skipped`` says why);
+* a batch with no loss token, or only zero advantages and no KL or entropy term, does not step
+  the optimizer (``StepMetrics.skipped`` says why);
 * the drift guard raises :class:`~gymbridge.errors.PolicyDriftError` on an on-policy step whose
   ``ratio_mean`` is off 1 by more than ``ratio_tolerance``, before the optimizer moves; rows sampled
   with another ``top_p`` raise :class:`~gymbridge.errors.SamplingMismatchError` before any forward.
@@ -175,6 +176,13 @@ class GRPOConfig(StrictModel):
     """Multiply the per-token KL term by the importance ratio ``exp(new - old)`` (differentiable), as
     TRL's ``use_bias_correction_kl``: the KL term's gradient becomes that of ``KL(pi_theta || pi_ref)``
     under the behaviour policy's samples (module docstring). Only with ``kl_coef > 0``."""
+    entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Weight of an entropy bonus (verl's ``entropy_coeff``): the per-token loss gets
+    ``- entropy_coef * H_t``, ``H_t`` the entropy of the policy's next-token distribution at loss
+    token ``t`` (temperature-scaled, without the suppressed tokens, over the whole vocabulary
+    even with ``top_p < 1``), aggregated as the rest of the loss: a push against collapsing onto
+    one answer, spread over every token of the vocabulary (docs/grpo.md, *Entropy bonus*, has what
+    it did on the spatial task). 0: none (not computed)."""
     loss_agg: LossAgg = "token_mean"
     """How per-token losses become the batch loss (module docstring, *Loss aggregation*)."""
     mask_truncated: bool = False
@@ -273,6 +281,9 @@ class StepMetrics:
     dual_clip_fraction: float = 0.0
     """Loss tokens whose loss the dual clip (``GRPOConfig.clip_ratio_c``) stopped at ``c * |A|``,
     over all loss tokens (0.0 with it off)."""
+    entropy: float | None = None
+    """Token mean over loss tokens of the policy's next-token entropy (nats, before the update);
+    ``None`` when ``entropy_coef == 0`` (not computed)."""
 
     def as_dict(self) -> dict[str, float | int | None]:
         return asdict(self)
@@ -314,6 +325,8 @@ class GradientResult:
     """Seconds this part's forward and backward passes took."""
     dual_clipped_tokens: int = 0
     """Loss tokens whose loss the dual clip (``clip_ratio_c``) stopped at ``c * |A|``."""
+    entropy_sum: float | None = None
+    """Sum over this part's loss tokens of the policy's entropy (``None``: not computed)."""
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -438,8 +451,11 @@ def _token_logprobs(
     packed: bool = False,
     encoder_dedup: bool = False,
     encoder_stats: EncoderStats | None = None,
-) -> tuple[torch.Tensor, int]:
-    """:func:`token_logprobs` and the number of loss tokens outside the trainer's nucleus."""
+    entropy: bool = False,
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """:func:`token_logprobs`, the number of loss tokens outside the trainer's nucleus and, with
+    ``entropy``, the ``[B, L]`` entropy of each loss token's distribution (0 elsewhere;
+    differentiable)."""
     if is_greedy(temperature):  # logits / 1e-40 overflow to inf: the step would be NaN
         raise ValueError(
             f"temperature must be >= {GREEDY_BELOW_TEMPERATURE:g} for a policy-gradient step (below it "
@@ -466,19 +482,33 @@ def _token_logprobs(
     # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
     lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
     outside = 0
-    if top_p < 1.0:
-        # only where the loss looks: a [N, V] sort, and prompt tokens need no nucleus
-        loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
-        where = loss_mask[:, 1:].to(logits.device) > 0
-        if bool(where.any()):
-            nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
-            lp = lp.masked_scatter(where, nucleus)
-            outside = int(out_mask.sum())
+    # only where the loss looks: a [N, V] sort or softmax, and prompt tokens need neither
+    loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
+    where = loss_mask[:, 1:].to(logits.device) > 0
+    if top_p < 1.0 and bool(where.any()):
+        nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
+        lp = lp.masked_scatter(where, nucleus)
+        outside = int(out_mask.sum())
+    ent: torch.Tensor | None = None
+    if entropy:
+        ent = torch.zeros_like(lp).masked_scatter(where, _entropy(logits[where]))
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:] = lp
+    ent_out: torch.Tensor | None = None
+    if ent is not None:
+        ent_out = torch.zeros(ids.shape, dtype=ent.dtype, device=ent.device)
+        ent_out[:, 1:] = ent
     if rows is not None:  # a row's first token follows the previous row: no logprob there
-        return rows.unpack(out), outside
-    return out * batch.attention_mask.to(out.device), outside
+        return rows.unpack(out), outside, rows.unpack(ent_out) if ent_out is not None else None
+    attention = batch.attention_mask.to(out.device)
+    return out * attention, outside, ent_out * attention if ent_out is not None else None
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy ``[N]`` of ``softmax(logits)`` ``[N, V]``; ``-inf`` logits (suppressed tokens) have
+    probability 0 and add nothing (no NaN in the value or the gradient)."""
+    finite = logits.masked_fill(~torch.isfinite(logits), 0.0)
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * finite).sum(dim=-1)
 
 
 def token_logprobs(
@@ -502,7 +532,7 @@ def token_logprobs(
     result is unpacked to the same ``[B, L]`` layout. ``encoder_dedup``: encode each unique
     media item once (``GRPOConfig.encoder_dedup``); ``encoder_stats`` counts the encoder work.
     """
-    lp, _ = _token_logprobs(
+    lp, _, _ = _token_logprobs(
         model,
         batch,
         temperature=temperature,
@@ -571,6 +601,8 @@ def grpo_token_loss(
     kl_estimator: KLEstimator = "k3",
     clip_ratio_c: float | None = None,
     kl_bias_correction: bool = False,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped-ratio PG loss (plus ``kl_coef`` x KL to ``ref_logprobs``) over ``[B, L]`` logprobs.
 
@@ -582,8 +614,10 @@ def grpo_token_loss(
     truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
     ``dual_clipped`` (tokens of negative advantage whose loss the dual clip ``clip_ratio_c``
     stopped at ``c * |A|``), ``ratio_sum``, ``kl_sum`` (``old - new``), ``ref_kl_sum`` (the KL
-    estimator, before ``kl_bias_correction``'s ratio; 0 without a reference) and ``max_abs_log``
-    (the largest ``|new - old|``) over masked tokens.
+    estimator, before ``kl_bias_correction``'s ratio; 0 without a reference), ``entropy_sum``
+    (of ``entropy`` ``[B, L]``, the policy's per-token entropy, 0 without it; with ``entropy_coef``
+    the loss subtracts ``entropy_coef * entropy``) and ``max_abs_log`` (the largest ``|new -
+    old|``) over masked tokens.
     """
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
@@ -613,6 +647,8 @@ def grpo_token_loss(
             # TRL's bias correction: the sampled token's KL weighted by pi_theta / mu (value 1 on-policy)
             kl_term = ref_kl * ratio if kl_bias_correction else ref_kl
             per_token = per_token + kl_coef * kl_term
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy.to(per_token)
     loss = aggregate_loss(per_token, mask, loss_agg, total_loss_tokens=tokens, total_loss_rows=rows)
     with torch.no_grad():
         was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
@@ -624,6 +660,7 @@ def grpo_token_loss(
             "ratio_sum": float((ratio * mask).sum()),
             "kl_sum": float((-log_ratio * mask).sum()),
             "ref_kl_sum": float(ref_kl.sum()) if ref_kl is not None else 0.0,
+            "entropy_sum": float((entropy.to(mask) * mask).sum()) if entropy is not None else 0.0,
             "max_abs_log": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
         }
     return loss, stats
@@ -681,15 +718,16 @@ def skip_reason(batch: TrainBatch, config: GRPOConfig) -> SkipReason | None:
     """Why an update on ``batch`` would change nothing it should, or ``None`` when it trains.
 
     ``no_loss_tokens``: every row is masked or empty. ``zero_advantage``: every loss row's advantage
-    is exactly 0 (every group's rewards were equal) and there is no KL term, so the loss gradient is
-    exactly 0. Either way the optimizer must not step: AdamW's momentum and weight decay would still
-    move the weights, the policy version would advance and the generator would get the same weights
-    again. With ``kl_coef > 0`` a zero-advantage batch still trains (the KL term has a gradient).
+    is exactly 0 (every group's rewards were equal) and there is no KL or entropy term, so the loss
+    gradient is exactly 0. Either way the optimizer must not step: AdamW's momentum and weight decay
+    would still move the weights, the policy version would advance and the generator would get the
+    same weights again. With ``kl_coef > 0`` or ``entropy_coef > 0`` a zero-advantage batch still trains (the
+    KL term and the entropy bonus have a gradient).
     """
     has_loss = batch.loss_mask.sum(dim=1) > 0
     if len(batch) == 0 or not bool(has_loss.any()):
         return "no_loss_tokens"
-    if config.kl_coef == 0 and not bool((batch.advantages[has_loss] != 0).any()):
+    if config.kl_coef == 0 and config.entropy_coef == 0 and not bool((batch.advantages[has_loss] != 0).any()):
         return "zero_advantage"
     return None
 
@@ -780,7 +818,7 @@ class GRPOTrainer:
         if len(batch) == 0 or result.loss_tokens == 0:
             return result
         self.model.eval()
-        loss_sum = ratio_sum = kl_sum = ref_kl_sum = 0.0
+        loss_sum = ratio_sum = kl_sum = ref_kl_sum = entropy_sum = 0.0
         clipped = capped = dual = outside = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
         packed = cfg.sequence_packing
@@ -797,11 +835,13 @@ class GRPOTrainer:
                 packed=packed,
                 encoder_dedup=cfg.encoder_dedup,
             )
-            new_lp, mb_outside = score(self.model, encoder_stats=encoder)
+            new_lp, mb_outside, mb_entropy = score(
+                self.model, encoder_stats=encoder, entropy=cfg.entropy_coef > 0
+            )
             ref_lp: torch.Tensor | None = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_lp, _ = score(self.reference)
+                    ref_lp, _, _ = score(self.reference)
             run = mb.num_tokens if packed else len(mb) * mb.seq_len
             tokens_run += run
             padding += run - mb.num_tokens
@@ -822,6 +862,8 @@ class GRPOTrainer:
                 kl_estimator=cfg.kl_estimator,
                 clip_ratio_c=cfg.clip_ratio_c,
                 kl_bias_correction=cfg.kl_bias_correction,
+                entropy=mb_entropy,
+                entropy_coef=cfg.entropy_coef,
             )
             part = torch.autograd.grad(loss, self.params, allow_unused=True)
             for acc, g in zip(grads, part, strict=True):
@@ -837,6 +879,7 @@ class GRPOTrainer:
             ratio_sum += stats["ratio_sum"]
             kl_sum += stats["kl_sum"]
             ref_kl_sum += stats["ref_kl_sum"]
+            entropy_sum += stats["entropy_sum"]
         first_mean, first_max = first if first is not None else (1.0, 0.0)
         return GradientResult(
             grads,
@@ -856,6 +899,7 @@ class GRPOTrainer:
             encoder_refs=encoder.refs,
             encoder_dedup=encoder.deduplicated,
             ref_kl_sum=ref_kl_sum,
+            entropy_sum=entropy_sum if cfg.entropy_coef > 0 else None,
             outside_top_p_tokens=outside,
             forward_backward_s=time.perf_counter() - started,
         )
@@ -992,4 +1036,9 @@ def summarize(
         forward_backward_s=max((p.forward_backward_s for p in parts), default=0.0),
         optimizer_s=optimizer_s,
         dual_clip_fraction=sum(p.dual_clipped_tokens for p in parts) / max(tokens, 1),
+        entropy=(
+            sum(p.entropy_sum or 0.0 for p in parts) / max(tokens, 1)
+            if any(p.entropy_sum is not None for p in parts)
+            else None
+        ),
     )

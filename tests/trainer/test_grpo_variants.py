@@ -370,3 +370,88 @@ def test_regression_trainer_temperature_below_float32_range_is_refused_not_nan(t
     assert param_digest(model) == before
     tiny_greedy = _varied_batch(tiny, metadata={3: {"sampling": {"temperature": 1e-40, "top_p": 0.9}}})
     GRPOTrainer(model, GRPOConfig(), on_policy=False).compute_gradients(tiny_greedy)
+
+
+# ------------------------------------------------------------------ entropy bonus
+
+
+def test_entropy_is_the_categorical_entropy_and_suppressed_tokens_add_no_nan() -> None:
+    from gymbridge.trainer.grpo import _entropy
+
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    want = torch.distributions.Categorical(logits=logits).entropy()
+    torch.testing.assert_close(_entropy(logits), want)
+    masked = logits.index_fill(-1, torch.tensor([2, 7]), float("-inf"))
+    ent = _entropy(masked)
+    keep = [i for i in range(11) if i not in (2, 7)]
+    torch.testing.assert_close(ent, torch.distributions.Categorical(logits=logits[:, keep]).entropy())
+    (grad,) = torch.autograd.grad(ent.sum(), logits)
+    assert bool(torch.isfinite(grad).all()) and bool((grad[:, [2, 7]] == 0).all())
+
+
+def test_entropy_bonus_is_in_the_loss_its_gradient_and_the_step_metrics(tiny: TinyVLM) -> None:
+    """``entropy_coef`` subtracts ``coef * H_t`` per loss token: the gradient is the plain loss's
+    plus the coefficient times that of the masked token-mean entropy, micro-batches and DP shards
+    still sum to it, and ``StepMetrics.entropy`` reports it (``None`` with the bonus off)."""
+    from gymbridge.trainer.grpo import _token_logprobs
+
+    model = tiny_policy(0)
+    batch = _off_policy(model, _varied_batch(tiny))
+    params = [p for p in model.parameters() if p.requires_grad]
+    coef = 0.3
+    plain = GRPOTrainer(model, GRPOConfig()).compute_gradients(batch)
+    assert plain.entropy_sum is None
+    _, _, ent = _token_logprobs(
+        model, batch, temperature=1.0, suppress_token_ids=None, top_p=1.0, entropy=True
+    )
+    assert ent is not None
+    mask = batch.loss_mask
+    mean_ent = (ent * mask).sum() / mask.sum()
+    ent_grads = torch.autograd.grad(mean_ent, params, allow_unused=True)
+    cfg = GRPOConfig(entropy_coef=coef)
+    with_bonus = GRPOTrainer(model, cfg).compute_gradients(batch)
+    assert with_bonus.entropy_sum == pytest.approx(float((ent.detach() * mask).sum()), rel=1e-5)
+    assert with_bonus.loss_sum == pytest.approx(plain.loss_sum - coef * float(mean_ent), abs=1e-5)
+    for g, g0, ge in zip(with_bonus.grads, plain.grads, ent_grads, strict=True):
+        want = g0 - coef * (torch.zeros_like(g0) if ge is None else ge)
+        torch.testing.assert_close(g, want, atol=1e-6, rtol=1e-4)
+    micro = GRPOTrainer(model, cfg.model_copy(update={"micro_batch_max_tokens": 40})).compute_gradients(batch)
+    tokens, rows = int(mask.sum()), int((mask.sum(1) > 0).sum())
+    parts = [
+        GRPOTrainer(model, cfg).compute_gradients(s, total_loss_tokens=tokens, total_loss_rows=rows)
+        for s in batch.shard(3, group_aware=False)
+    ]
+    for i, g in enumerate(with_bonus.grads):
+        torch.testing.assert_close(micro.grads[i], g, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(sum(p.grads[i] for p in parts), g, atol=1e-6, rtol=1e-4)
+    # the step reports the token-mean entropy; with the bonus off it is not computed
+    fixed = with_current_logprobs(model, batch)
+    on = GRPOTrainer(tiny_policy(0), cfg).step(fixed)
+    assert on.entropy == pytest.approx(float(mean_ent), rel=1e-4)
+    assert GRPOTrainer(tiny_policy(0), GRPOConfig()).step(fixed).entropy is None
+
+
+def test_entropy_bonus_trains_a_zero_advantage_batch_and_raises_the_entropy(tiny: TinyVLM) -> None:
+    """Without a KL or entropy term a batch whose advantages are all 0 is skipped (no signal); with
+    the bonus it steps, and the steps raise the policy's entropy at the answer tokens."""
+    model = tiny_policy(0)
+    batch = with_current_logprobs(model, _varied_batch(tiny))
+    no_signal = replace(batch, advantages=torch.zeros(len(batch)))
+    assert GRPOTrainer(tiny_policy(0), GRPOConfig()).step(no_signal).skipped == "zero_advantage"
+    trainer = GRPOTrainer(model, GRPOConfig(lr=3e-3, entropy_coef=1.0), on_policy=False)
+    entropies = []
+    for _ in range(4):
+        m = trainer.step(with_current_logprobs(model, no_signal))
+        assert m.skipped is None and m.entropy is not None
+        entropies.append(m.entropy)
+    assert entropies[-1] > entropies[0] + 1e-3, entropies
+
+
+def test_entropy_coef_is_a_run_config_setting() -> None:
+    from gymbridge.errors import ConfigError
+    from gymbridge.run import load_run_config
+
+    assert load_run_config([], [("trainer.entropy_coef", 0.01)]).trainer.entropy_coef == 0.01
+    assert GRPOConfig().entropy_coef == 0.0
+    with pytest.raises(ConfigError, match="entropy_coef"):
+        load_run_config([], [("trainer.entropy_coef", -0.1)])
