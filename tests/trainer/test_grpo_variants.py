@@ -408,6 +408,7 @@ def test_entropy_bonus_is_in_the_loss_its_gradient_and_the_step_metrics(tiny: Ti
     mask = batch.loss_mask
     mean_ent = (ent * mask).sum() / mask.sum()
     ent_grads = torch.autograd.grad(mean_ent, params, allow_unused=True)
+    mean_ent = mean_ent.detach()
     cfg = GRPOConfig(entropy_coef=coef)
     with_bonus = GRPOTrainer(model, cfg).compute_gradients(batch)
     assert with_bonus.entropy_sum == pytest.approx(float((ent.detach() * mask).sum()), rel=1e-5)
