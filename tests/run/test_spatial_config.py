@@ -46,6 +46,7 @@ def test_smoke_spatial_trains_two_steps_with_its_blank_control_and_the_objective
             "--set", "trainer.kl_coef=0.01",
             "--set", "trainer.kl_estimator=low_var_kl",
             "--set", "trainer.kl_bias_correction=true",
+            "--set", "trainer.entropy_coef=0.01",
             "--run-dir", str(run_dir),
             "--no-progress",
         ]
@@ -56,6 +57,10 @@ def test_smoke_spatial_trains_two_steps_with_its_blank_control_and_the_objective
     assert [r["step"] for r in records] == [1, 2]
     assert all(r["rollouts_ok"] == 4 * 8 and r["rollouts_failed"] == 0 for r in records)
     assert all(0.0 <= r["dual_clip_fraction"] <= 1.0 for r in records)
+    # the entropy bonus's token mean reaches metrics.jsonl and the step line (a few tokens' entropy
+    # over the tiny vocabulary: above 0, below log(vocabulary))
+    assert all(0.0 < r["entropy"] < 10.0 for r in records)
+    assert [line for line in out.splitlines() if line.startswith("step ") and "  entropy " in line], out
     cfg = RunConfig.model_validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     assert cfg.env.name == "side_pick" and cfg.env.params == {"blank": True}
     assert (cfg.trainer.clip_ratio_c, cfg.trainer.kl_estimator, cfg.trainer.kl_bias_correction) == (
@@ -63,6 +68,7 @@ def test_smoke_spatial_trains_two_steps_with_its_blank_control_and_the_objective
         "low_var_kl",
         True,
     )
+    assert cfg.trainer.entropy_coef == 0.01
     # the control: the rows trained on keep their answers, and their images show no bar
     rows = [json.loads(line) for line in (run_dir / "dataset.jsonl").read_text().splitlines()]
     assert {r["side"] for r in rows} == {"T", "B", "L", "R"} and all(r["blank"] for r in rows)

@@ -391,7 +391,7 @@ def test_entropy_is_the_categorical_entropy_and_suppressed_tokens_add_no_nan() -
 
 def test_entropy_bonus_is_in_the_loss_its_gradient_and_the_step_metrics(tiny: TinyVLM) -> None:
     """``entropy_coef`` subtracts ``coef * H_t`` per loss token: the gradient is the plain loss's
-    plus the coefficient times that of the masked token-mean entropy, micro-batches and DP shards
+    minus the coefficient times that of the masked token-mean entropy, micro-batches and DP shards
     still sum to it, and ``StepMetrics.entropy`` reports it (``None`` with the bonus off)."""
     from gymbridge.trainer.grpo import _token_logprobs
 
