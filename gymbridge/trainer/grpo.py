@@ -482,16 +482,17 @@ def _token_logprobs(
     # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
     lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
     outside = 0
-    # only where the loss looks: a [N, V] sort or softmax, and prompt tokens need neither
-    loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
-    where = loss_mask[:, 1:].to(logits.device) > 0
-    if top_p < 1.0 and bool(where.any()):
-        nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
-        lp = lp.masked_scatter(where, nucleus)
-        outside = int(out_mask.sum())
     ent: torch.Tensor | None = None
-    if entropy:
-        ent = torch.zeros_like(lp).masked_scatter(where, _entropy(logits[where]))
+    if top_p < 1.0 or entropy:
+        # only where the loss looks: a [N, V] sort or softmax, and prompt tokens need neither
+        loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
+        where = loss_mask[:, 1:].to(logits.device) > 0
+        if top_p < 1.0 and bool(where.any()):
+            nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
+            lp = lp.masked_scatter(where, nucleus)
+            outside = int(out_mask.sum())
+        if entropy:
+            ent = torch.zeros_like(lp).masked_scatter(where, _entropy(logits[where]))
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
     out[:, 1:] = lp
     ent_out: torch.Tensor | None = None
