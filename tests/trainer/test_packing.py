@@ -98,10 +98,11 @@ def test_packing_with_top_p_kl_and_seq_mean_equals_the_padded_step(
     tiny: TinyVLM, vlm_batch: TrainBatch
 ) -> None:
     """Regression for the merge of packing with the GRPO variants: the nucleus is taken at the packed
-    loss positions, the reference scores the same packed sequence, seq-mean rows stay rows."""
+    loss positions, the reference scores the same packed sequence, seq-mean rows stay rows, and
+    the entropy bonus reads the packed loss positions too."""
     model = tiny_policy(0)
     batch = _off_policy(model, vlm_batch)
-    variants = {"top_p": 0.9, "kl_coef": 0.1, "loss_agg": "seq_mean_token_mean"}
+    variants = {"top_p": 0.9, "kl_coef": 0.1, "loss_agg": "seq_mean_token_mean", "entropy_coef": 0.05}
 
     def gradients(**cfg: Any) -> GradientResult:
         trainer = GRPOTrainer(
@@ -118,6 +119,8 @@ def test_packing_with_top_p_kl_and_seq_mean_equals_the_padded_step(
     assert got.outside_top_p_tokens == ref.outside_top_p_tokens
     assert abs(ref.ref_kl_sum) > 1e-4
     assert got.ref_kl_sum == pytest.approx(ref.ref_kl_sum, rel=1e-4)
+    assert ref.entropy_sum is not None and ref.entropy_sum > 1e-3
+    assert got.entropy_sum == pytest.approx(ref.entropy_sum, rel=1e-4)
     _assert_same_step(ref, got)
 
 
