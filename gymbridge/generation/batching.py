@@ -148,9 +148,8 @@ class BatchingGenerator:
             groups: dict[tuple[SamplingConfig, int], list[_Pending]] = {}
             for p in batch:
                 if not p.future.cancelled():
-                    if (
-                        self._generate_rows is not None
-                    ):  # every row carries its own seed: seeded or not, they share a call
+                    # a row-seeded backend: every row carries its own seed, seeded or not they share a call
+                    if self._generate_rows is not None:
                         key = (replace(p.sampling, seed=None), 0)
                     else:
                         key = (p.sampling, p.call if p.sampling.seed is not None else 0)
