@@ -124,10 +124,10 @@ def _tokenizer_processor(path: str) -> Any:
     image_token = image_placeholder_token(path, tokenizer)
     if image_token is None:
         return tokenizer
+    # Any: transformers types from_pretrained in some releases and not in others (mypy --strict on both)
+    auto_image_processor: Any = transformers.AutoImageProcessor
     try:
-        image_processor = transformers.AutoImageProcessor.from_pretrained(  # type: ignore[no-untyped-call]
-            path, local_files_only=True
-        )
+        image_processor = auto_image_processor.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, ImportError):
         return tokenizer
     from gymbridge.testing.tiny_vlm import TinyVLMProcessor
