@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
 # The one test command: set up (idempotently) and run the whole suite.
-#   bash scripts/test.sh            # lint + types + default tests
-#   bash scripts/test.sh -k media   # extra args go to pytest
-# Creates .venv if missing; reinstalls only when pyproject.toml or setup.py changed. The genuine
+#   bash scripts/test.sh                          # lint + types + default tests, on the locked set-up
+#   bash scripts/test.sh -k media                 # extra args go to pytest
+#   GYMBRIDGE_DEPS=latest bash scripts/test.sh    # the same suite on the newest releases pyproject.toml allows
+# The locked set-up (default, and CI): .venv installs gymbridge[dev,ray,train,trl] with
+# requirements-test.txt (scripts/lock.sh writes it) as pip constraints, so every package has the
+# version the lock names whatever PyPI serves that day; it reinstalls only when pyproject.toml,
+# setup.py or the lock changed (the install stamp holds their hash). GYMBRIDGE_DEPS=latest builds
+# .venv-latest instead, upgraded on every run to the newest releases the ranges allow (torch stays
+# the CPU wheel), prints which versions differ from the lock, and runs the same suite in it: not part
+# of CI; docs/compatibility.md records its last run. The genuine
 # nemo-gym venv (.venv-gym), the real vLLM venv (.venv-vllm, scripts/setup_vllm_venv.sh) and the verl
 # venv (.venv-verl, scripts/setup_verl_venv.sh: verl 0.9.1 pins transformers<5.11) are built in the
-# background meanwhile (their logs are printed before their tests; GYMBRIDGE_SKIP_VLLM=1 /
-# GYMBRIDGE_SKIP_VERL=1 skip them).
+# background meanwhile from their own locks (their logs are printed before their tests;
+# GYMBRIDGE_SKIP_VLLM=1 / GYMBRIDGE_SKIP_VERL=1 skip them).
 # The plain command runs the default tests on GYMBRIDGE_TEST_WORKERS pytest-xdist workers (default:
 # the CPU count, at most 4; 1 = serial), one test file per worker; with arguments, pytest runs
 # exactly them (add `-n 2` for parallel). The learning tests (-m learning) come last, on 2 workers.
-# pytest includes tests/packaging: it builds a torch-free venv (the base install) and a venv with
-# gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in a temporary folder (~1 min together).
+# pytest includes tests/packaging: it builds a torch-free venv (the base install, constrained by the
+# lock on the locked set-up) and a venv with gymbridge beside nemo-gym 0.7.0 (over .venv-gym), each in
+# a temporary folder (~1 min together).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
-VENV="$ROOT/.venv"
+# shellcheck source=scripts/deps.sh
+source scripts/deps.sh
+DEPS=${GYMBRIDGE_DEPS:-locked}
+case "$DEPS" in
+    locked) VENV="$ROOT/.venv" ;;
+    latest) VENV="$ROOT/.venv-latest" ;;
+    *) echo "!! GYMBRIDGE_DEPS=$DEPS: expected locked (the default) or latest"; exit 2 ;;
+esac
+[ -f "$TEST_LOCK" ] || { echo "!! $TEST_LOCK is missing (bash scripts/lock.sh writes it)"; exit 2; }
 STAMP="$VENV/.gymbridge-install-stamp"
-want=$(cat pyproject.toml setup.py | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml setup.py "$TEST_LOCK" | sha256sum | cut -d' ' -f1)
+[ "$DEPS" = latest ] && want="latest $(date +%s)"  # never up to date: upgraded on every run
 
 # Genuine NeMo Gym venv for the conformance suite (skips itself when up to date), built beside the
 # .venv install: the two pip runs are mostly single-threaded, so together they use both cores.
@@ -55,26 +72,39 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
-    echo "== installing gymbridge[dev,ray,train,trl]"
+    echo "== installing gymbridge[$TEST_EXTRAS] ($DEPS) into $VENV"
     t0=$(date +%s)
     # torch: an installed torch of any build (CPU, CUDA, ROCm) is kept; a GPU machine lets pip pick
     # a CUDA build in the project's range; elsewhere the CPU wheel is pinned (an unpinned torch
     # from PyPI is the CUDA build). GYMBRIDGE_TORCH_INDEX_URL installs torch from that index first
-    # (e.g. https://download.pytorch.org/whl/cpu off this machine).
-    torch_pin="torch==2.13.0"
-    if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    # (e.g. https://download.pytorch.org/whl/cpu off this machine). A kept torch replaces the lock's
+    # torch pin (the lock pins the CPU release), and no upgrade moves it; pip's CUDA pick has no pin.
+    torch_pin="$TORCH_CPU"
+    torch_keep=""
+    if torch_keep=$("$VENV/bin/python" -c "import torch; print(torch.__version__)" 2>/dev/null); then
         torch_pin=""
-        echo "   keeping the installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
+        echo "   keeping the installed torch $torch_keep"
     elif [ -n "${GYMBRIDGE_TORCH_INDEX_URL:-}" ]; then
         "$VENV/bin/pip" install -q --disable-pip-version-check "torch>=2.4,<3" --index-url "$GYMBRIDGE_TORCH_INDEX_URL"
         torch_pin=""
     elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
         torch_pin=""
     fi
+    constraints="$ROOT/.cache/constraints-$DEPS.txt"
+    mkdir -p "$ROOT/.cache"
+    : >"$constraints"
+    [ "$DEPS" = locked ] && grep -v '^torch==' "$TEST_LOCK" >>"$constraints"
+    if [ -n "$torch_pin" ]; then
+        [ "$DEPS" = locked ] && grep '^torch==' "$TEST_LOCK" >>"$constraints"
+    elif [ -n "$torch_keep" ]; then
+        echo "torch==${torch_keep%%+*}" >>"$constraints"
+    fi
+    deps_args=(-c "$constraints")
+    [ "$DEPS" = latest ] && deps_args+=(--upgrade --upgrade-strategy eager)
     log="$VENV/.gymbridge-install.log"
     set +e
     # shellcheck disable=SC2086
-    "$VENV/bin/pip" install -q --disable-pip-version-check -e ".[dev,ray,train,trl]" $torch_pin >"$log" 2>&1
+    "$VENV/bin/pip" install -q --disable-pip-version-check "${deps_args[@]}" -e ".[$TEST_EXTRAS]" $torch_pin >"$log" 2>&1
     rc=$?
     set -e
     grep -v "is ignored: it is neither a file nor a directory" "$log" || true
@@ -82,6 +112,14 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -c "import gymbridge, gymbridge_envs, torch, transformers, trl" # fail here, not in pytest
     echo "$want" > "$STAMP"
     echo "== installed in $(( $(date +%s) - t0 )) s"
+fi
+if [ "$DEPS" = latest ]; then
+    echo "== the newest releases against $TEST_LOCK"
+    "$VENV/bin/pip" freeze --all --exclude-editable --disable-pip-version-check 2>/dev/null \
+        | "$VENV/bin/python" scripts/lock_diff.py "$TEST_LOCK" | tee "$ROOT/.cache/latest-vs-lock.txt"
+else
+    # the packaging tests' torch-free venv installs under the same lock
+    export GYMBRIDGE_TEST_CONSTRAINTS="$ROOT/$TEST_LOCK"
 fi
 
 # Headless Chromium for the run viewer test (a Debian package); installed once, never upgraded.

@@ -9,7 +9,9 @@
   what is tested) and, in it, the shipped configs and viewer template are package data,
   ``drive_env.py`` serves ``counter`` through the CLI, passes
   ``check_env`` and solves three rows through the agent and a scripted model; torch is absent
-  from the venv (about 40 s with a warm pip cache).
+  from the venv (about 40 s with a warm pip cache). On the locked set-up (``scripts/test.sh``
+  exports ``GYMBRIDGE_TEST_CONSTRAINTS``, requirements-test.txt) the install takes the lock's
+  versions; on ``GYMBRIDGE_DEPS=latest`` the newest ones, as a user's ``pip install`` would.
 * ``test_regression_environments_package_collides_with_nemo_gym``: one venv holding nemo-gym
   0.7.0 (the conformance venv's packages, through a ``.pth`` file) and ``pip install
   <checkout>``: ``gymbridge env list`` works, nemo-gym's own top-level ``environments``
@@ -35,6 +37,7 @@ GYM_VENV = Path(os.environ.get("GYM_VENV", REPO / ".venv-gym"))
 REQUIRE_GYM = os.environ.get("GYMBRIDGE_REQUIRE_GYM") == "1"
 BASE_PYTHON = getattr(sys, "_base_executable", sys.executable)
 PIP = ["-m", "pip", "install", "-q", "--disable-pip-version-check"]
+CONSTRAINTS = os.environ.get("GYMBRIDGE_TEST_CONSTRAINTS")  # the lock, on the locked set-up
 
 BLOCK_TORCH = """
 import importlib, sys
@@ -97,7 +100,7 @@ def test_base_modules_import_without_torch(tmp_path: Path) -> None:
 def test_torch_free_venv_serves_checks_and_drives_an_environment(tmp_path: Path, source_tree: Path) -> None:
     started = time.perf_counter()
     python = _new_venv(tmp_path / "venv")
-    _run([str(python), *PIP, str(source_tree)], cwd=tmp_path)
+    _run([str(python), *PIP, *(["-c", CONSTRAINTS] if CONSTRAINTS else []), str(source_tree)], cwd=tmp_path)
     built_s = time.perf_counter() - started
     probe = _run(
         [str(python), "-c", "import importlib.util as u; print(u.find_spec('torch') is None)"], cwd=tmp_path
