@@ -15,7 +15,8 @@
 * ``test_regression_environments_package_collides_with_nemo_gym``: one venv holding nemo-gym
   0.7.0 (the conformance venv's packages, through a ``.pth`` file) and ``pip install
   <checkout>``: ``gymbridge env list`` works, nemo-gym's own top-level ``environments``
-  package is still nemo-gym's, and ``pip check`` is clean (about 20 s). Needs ``.venv-gym``:
+  package is still nemo-gym's, and ``pip check`` is clean (about 20 s); on the locked set-up what
+  the conformance venv lacks installs at the lock's versions. Needs ``.venv-gym``:
   skipped with the reason when it is absent, a failure under ``GYMBRIDGE_REQUIRE_GYM=1`` (CI).
 """
 
@@ -23,10 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -85,6 +88,10 @@ def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     target = tmp_path_factory.mktemp("src") / "gymbridge"
     shutil.copytree(REPO, target, ignore=heavy)
     return target
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name.strip()).lower()
 
 
 def _new_venv(where: Path) -> Path:
@@ -152,7 +159,14 @@ def test_regression_environments_package_collides_with_nemo_gym(tmp_path: Path, 
     )
     # nemo-gym 0.7.0 and its pinned dependencies, as installed in the conformance venv
     (purelib / "nemo_gym_venv.pth").write_text(f"{gym_site}\n")
-    _run([str(python), *PIP, str(source_tree)], cwd=tmp_path)
+    constraints: list[str] = []
+    if CONSTRAINTS:  # the lock's versions for what the conformance venv lacks; its own pins stay
+        have = {_normal(d.metadata["Name"]) for d in metadata.distributions(path=[str(gym_site)])}
+        lines = [ln for ln in Path(CONSTRAINTS).read_text().splitlines() if "==" in ln]
+        rest = tmp_path / "constraints.txt"
+        rest.write_text("".join(f"{ln}\n" for ln in lines if _normal(ln.split("==")[0]) not in have))
+        constraints = ["-c", str(rest)]
+    _run([str(python), *PIP, *constraints, str(source_tree)], cwd=tmp_path)
     built_s = time.perf_counter() - started
     listing = _run([str(python.with_name("gymbridge")), "env", "list"], cwd=tmp_path)
     assert "circle_click" in listing and "grid_door" in listing
