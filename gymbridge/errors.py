@@ -375,7 +375,7 @@ class PolicyDriftError(TrainingError):
         super().__init__(
             f"step {step}: the mean importance ratio over the first micro-batch is {ratio_mean:.6f} "
             f"(max |log ratio| {ratio_max_abs_log:.4g}) before any update, outside 1 +- {tolerance:g}, "
-            "in an on-policy run (rollout.max_staleness 0): the generator's weights are not the "
+            "in an on-policy run (bridge.max_staleness 0): the generator's weights are not the "
             "trainer's (weights not published to the generator, a generator in another process that "
             "never joined the weight sync, or a different model / seed / dtype / sampling temperature)"
         )

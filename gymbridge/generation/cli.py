@@ -10,7 +10,8 @@
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
 weight group with the server and publishes each policy version (otherwise they answer 403);
 ``--prompt-seed S`` seeds unseeded requests per prompt (``PromptSeededGenerator``), as the smoke
-launcher does in its own process.
+launcher does in its own process; ``--suppress-token-id ID`` (repeated) adds ids never to sample to
+the model's media ids, as a trainer's ``suppress_token_ids`` asks (a run passes them).
 
 :func:`add_model_commands` adds the ``model`` group's subcommands to an
 ``argparse`` sub-parser (the CLI's dispatch table points at it);
@@ -78,6 +79,15 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument(
         "--prompt-seed", type=int, default=None, help="seed unseeded requests per prompt (reproducible runs)"
     )
+    p.add_argument(
+        "--suppress-token-id",
+        type=int,
+        action="append",
+        default=[],
+        metavar="ID",
+        help="a token id never to sample, on top of the model's media ids (repeat it; a trainer's "
+        "suppress_token_ids)",
+    )
     p.add_argument("--allowed-local-root", action="append", default=[], help="media: allowed file:// root")
     p.add_argument("--allowed-http-host", action="append", default=[], help="media: allowed http(s) host")
     p.add_argument(
@@ -127,6 +137,7 @@ def build_generator(args: argparse.Namespace) -> Any:
     from gymbridge.testing.families import parse_tiny_spec
 
     reasoning = not args.no_reasoning_parser
+    suppressed = tuple(getattr(args, "suppress_token_id", None) or ())
     tiny_omni = bool(getattr(args, "tiny_omni", False))
     family = parse_tiny_spec(args.model) if args.model is not None else None
     if (args.tiny or tiny_omni or family is not None) and args.backend != "hf":
@@ -138,21 +149,38 @@ def build_generator(args: argparse.Namespace) -> Any:
         from gymbridge.generation.hf import HFGenerator
 
         return HFGenerator.tiny_family(
-            family, args.seed, max_model_len=args.max_model_len, reasoning_parser=reasoning
+            family,
+            args.seed,
+            max_model_len=args.max_model_len,
+            reasoning_parser=reasoning,
+            suppress_token_ids=suppressed,
         )
     if args.tiny or tiny_omni:
         from gymbridge.generation.hf import HFGenerator
 
         build = HFGenerator.tiny_omni if tiny_omni else HFGenerator.tiny
-        return build(args.seed, max_model_len=args.max_model_len, reasoning_parser=reasoning)
+        return build(
+            args.seed,
+            max_model_len=args.max_model_len,
+            reasoning_parser=reasoning,
+            suppress_token_ids=suppressed,
+        )
     if args.backend == "vllm":
         from gymbridge.generation.vllm import VLLMGenerator
 
-        return VLLMGenerator(args.model, max_model_len=args.max_model_len, reasoning_parser=reasoning)
+        return VLLMGenerator(
+            args.model,
+            max_model_len=args.max_model_len,
+            reasoning_parser=reasoning,
+            suppress_token_ids=suppressed,
+        )
     from gymbridge.generation.hf import HFGenerator
 
     return HFGenerator.from_pretrained(
-        args.model, max_model_len=args.max_model_len, reasoning_parser=reasoning
+        args.model,
+        max_model_len=args.max_model_len,
+        reasoning_parser=reasoning,
+        suppress_token_ids=suppressed,
     )
 
 

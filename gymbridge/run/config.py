@@ -21,12 +21,12 @@ once (:class:`~gymbridge.errors.ConfigError`). A key of the old flat launcher co
 
 **Switching environments.** ``--env`` or ``--agent-url`` naming another environment than the
 overlays' drops what belongs to the overlays' environment (:data:`ENV_BOUND_KEYS`: its generator
-parameters, turns, format warm-up, forced first call), so one environment's settings never
-leak into another's.
+parameters, token budget per model call, turns, format warm-up, forced first call), so one
+environment's settings never leak into another's.
 
 Invariants: ``trainer.lr_decay_steps`` left unset follows ``steps`` on every path (file, code,
 command line); cross-section rules (``force_first_call`` needs native rollouts, a bf16 policy
-needs an in-process generator, ...) are checked here, before anything starts.
+needs a generator that holds bf16 weights, ...) are checked here, before anything starts.
 """
 
 from __future__ import annotations
@@ -137,7 +137,9 @@ class RolloutConfig(StrictModel):
     """Drive model and environment in this process (:func:`~gymbridge.rollout.run_episode`) instead of
     sending rows to an agent's ``POST /run``."""
     max_tokens: int = Field(256, ge=1)
-    """Generation budget per model call (each row's ``max_output_tokens`` unless it sets one)."""
+    """Generation budget per model call (each row's ``max_output_tokens`` unless it sets one). It
+    belongs to the environment (:data:`ENV_BOUND_KEYS`): a tool call of the tiny tokenizer is about
+    30 tokens, where the colour toy's one-word answer is one."""
     max_turns: int | None = Field(None, ge=1)
     """Model calls per episode; ``None``: the environment's own (its data module's ``MAX_TURNS``)."""
     deadline_s: float = Field(600.0, gt=0)
@@ -242,11 +244,22 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _sections_agree(self) -> RunConfig:
         problems: list[str] = []
-        if self.trainer.dtype != "float32" and self.generator.placement == "process":
+        if (
+            self.trainer.dtype != "float32"
+            and self.generator.placement == "process"
+            and self.model.backend == "hf"
+        ):
             problems.append(
-                f"trainer.dtype={self.trainer.dtype} with generator.placement=process: the model server "
-                "process builds its model in float32, so the published weights would not fit it; use "
-                "generator.placement=in_process (its generator is built in the trainer's dtype)"
+                f"trainer.dtype={self.trainer.dtype} with generator.placement=process and model.backend=hf: "
+                "that model server builds its transformers model in float32 and the weight sync loads "
+                "only tensors of the receiving model's dtype; use generator.placement=in_process (built "
+                "in trainer.dtype) or model.backend=vllm (the engine casts what it receives)"
+            )
+        if self.env.agent_url is not None and self.warmup.steps > 0:
+            problems.append(
+                f"warmup.steps={self.warmup.steps} with env.agent_url: the format warm-up trains on an "
+                "example environment's format_examples, and an agent of your own holds the environment; "
+                "set warmup.steps=0"
             )
         if self.rollout.force_first_call is not None and not self.rollout.native:
             problems.append(
@@ -305,6 +318,7 @@ FLAG_KEYS: dict[str, str] = {
 
 ENV_BOUND_KEYS: tuple[str, ...] = (
     "env.params",
+    "rollout.max_tokens",
     "rollout.max_turns",
     "rollout.force_first_call",
     "rollout.withhold_later_media",

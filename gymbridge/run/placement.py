@@ -16,7 +16,10 @@ every optimizer step:
   a generator object in this process.
 
 ``publish_weights: false`` leaves the generator at the step-0 weights, to show what a missing
-weight sync does (the trainer's drift guard fails the run). Every resource is registered on
+weight sync does (the trainer's drift guard fails the run). ``suppress_token_ids`` (the trainer's
+``trainer.suppress_token_ids``) reaches either generator, so it samples from the distribution the
+trainer scores: temperature and top-p travel with every request (the dataset rows carry the
+trainer's), the mask is the generator's own. Every resource is registered on
 the caller's exit stack as soon as it exists, so the child process and the servers are
 stopped whatever happens.
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -108,6 +111,7 @@ async def start_generator(
     serve_flag: str | tuple[str, ...] = "--tiny",
     port: int = 0,
     media_hosts: tuple[str, ...] = (),
+    suppress_token_ids: Sequence[int] | None = None,
 ) -> GeneratorHandle:
     """Set up the generator (and, with ``serve``, its model server); see the module docstring.
 
@@ -116,7 +120,9 @@ async def start_generator(
     process (``--tiny``, ``--tiny-omni`` or ``("--model", PATH, "--backend", B)``); ``port`` is the
     model server's (0: a free one). ``media_hosts`` (``host:port`` of media stores) go into the
     model server's ``MediaPolicy``, so it fetches (and verifies) media references.
+    ``suppress_token_ids``: ids never sampled on top of the model's media ids (``None``: those only).
     """
+    extra_suppressed = tuple(int(t) for t in suppress_token_ids or ())
     if cfg.placement == "process":
         return await _start_process(
             cfg,
@@ -130,13 +136,20 @@ async def start_generator(
             serve_flag=serve_flag,
             port=port,
             media_hosts=media_hosts,
+            suppress_token_ids=extra_suppressed,
         )
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.trainer.models import tiny_policy
     from gymbridge.trainer.weight_sync import InProcessPublisher
 
     build = policy_factory if policy_factory is not None else tiny_policy
-    generator = HFGenerator(build(model_seed), processor, max_model_len=max_model_len, model_name=model_name)
+    generator = HFGenerator(
+        build(model_seed),
+        processor,
+        max_model_len=max_model_len,
+        model_name=model_name,
+        suppress_token_ids=extra_suppressed,
+    )
     publisher = InProcessPublisher(generator) if cfg.publish_weights else None
     url: str | None = None
     server = None
@@ -170,6 +183,7 @@ async def _start_process(
     serve_flag: str | tuple[str, ...],
     port: int,
     media_hosts: tuple[str, ...] = (),
+    suppress_token_ids: tuple[int, ...] = (),
 ) -> GeneratorHandle:
     from gymbridge.run.generator_process import start_model_server_process, tiny_server_command
     from gymbridge.trainer.weight_sync import DistributedPublisher
@@ -191,6 +205,8 @@ async def _start_process(
         port=port,
         media_hosts=media_hosts,
     )
+    for token_id in suppress_token_ids:
+        command += ["--suppress-token-id", str(token_id)]
     child = await asyncio.to_thread(
         start_model_server_process,
         command,

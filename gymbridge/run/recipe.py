@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from gymbridge.tensors import TrainBatch
     from gymbridge.trainer import GRPOTrainer, StepMetrics
 
-__all__ = ["GRPORun", "ResumeMode", "train"]
+__all__ = ["GRPORun", "ResumeMode", "episode_turns", "train"]
 
 ResumeMode = Literal["never", "must", "allow"]
 """``never``: a fresh run; ``must``: continue from the newest checkpoint or refuse; ``allow``: continue
@@ -284,6 +284,7 @@ class GRPORun:
         self.model = pick_model(cfg.model.name, cfg.model.seed, modalities, cfg.model.backend)
         origin = "random weights, offline" if self.model.tiny else "local directory"
         self.say(f"model: {self.model.name} ({origin})")
+        _check_suppressed(cfg.trainer.suppress_token_ids, self.model.policy.config)
         t = cfg.trainer
         schedule = "constant" if not t.lr_scheduled else f"{t.lr_schedule}, warm-up {t.lr_warmup_steps}"
         self.say(
@@ -364,13 +365,12 @@ class GRPORun:
         from gymbridge.run.services import start_services
 
         cfg = self.config
-        max_turns = cfg.rollout.max_turns or (spec.max_turns if spec is not None else 1)
         self.services = await start_services(
             cfg,
             self._stack,
             model=self.model,
             spec=spec,
-            max_turns=max_turns,
+            max_turns=episode_turns(cfg, spec),
             run_path=self.run_dir.path,
             meter=self.meter,
         )
@@ -628,6 +628,32 @@ class GRPORun:
     def _close_callbacks(self) -> None:
         for cb in self.callbacks:
             cb.close()
+
+
+def episode_turns(config: RunConfig, spec: Any) -> int:
+    """Model calls an episode may take: ``rollout.max_turns``, else the environment's own (``spec``'s
+    ``max_turns``; 1 when an agent of the user's own holds the environment, ``spec`` ``None``)."""
+    if config.rollout.max_turns is not None:
+        return config.rollout.max_turns
+    return int(spec.max_turns) if spec is not None else 1
+
+
+def _check_suppressed(suppress_token_ids: Sequence[int] | None, model_config: Any) -> None:
+    """``trainer.suppress_token_ids`` must keep the model's media ids: every generator masks them
+    (a sampled placeholder breaks the next turn's media), and the trainer must score what was sampled."""
+    from gymbridge.generation.types import media_special_token_ids
+
+    if suppress_token_ids is None:
+        return
+    missing = sorted(set(media_special_token_ids(model_config)) - set(suppress_token_ids))
+    if missing:
+        raise ConfigError(
+            [
+                f"trainer.suppress_token_ids leaves out the model's media ids {missing}, which the "
+                "generator never samples: the trainer would score another distribution than the one "
+                "sampled; list them too (or leave the key unset: the media ids only)"
+            ]
+        )
 
 
 async def _model_media_cache(model_url: str, say: Callable[[str], None]) -> dict[str, Any]:

@@ -127,6 +127,7 @@ async def start_services(
         model_name=model.name,
         policy_factory=functools.partial(_policy_in_dtype, model.policy_factory, cfg.trainer.torch_dtype),
         serve_flag=model.serve_flag,
+        suppress_token_ids=cfg.trainer.suppress_token_ids,
         log_dir=run_path,
         port=cfg.generator.port,
         media_hosts=media_hosts,

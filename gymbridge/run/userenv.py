@@ -59,8 +59,9 @@ class UserEnv:
         return self.server_class(**kwargs)
 
     max_turns: int = 1
-    """Model calls per episode when the run does not set ``rollout.max_turns`` (a class may declare
-    ``MAX_TURNS``)."""
+    """Model calls per episode when the run does not set ``rollout.max_turns``: the class's
+    ``MAX_TURNS``, else 1 (one answer: a tool environment declares one call per tool result it
+    wants answered, plus the answer)."""
 
     def data_module(self) -> types.SimpleNamespace:
         """No data generator and no ``format_examples`` (the run needs ``data.path``; no warm-up)."""

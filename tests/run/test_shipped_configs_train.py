@@ -2,8 +2,8 @@
 
 Regression: ``smoke_ray.yaml`` and ``smoke_zoom_read.yaml`` (gymbridge/configs/) printed ``grad_norm
 0.0000`` at every step, and ``--env counter`` (and the others) died on circle_click's
-``img_size`` parameter. Each run is cut to 2 steps. ``beep_count`` / ``bouncing_ball`` need a
-model that takes audio / video (the tiny Qwen2-VL takes images only): tests/run/test_run_e2e.py.
+``img_size`` parameter. Each run is cut to 2 steps and 16 tokens. ``beep_count`` / ``bouncing_ball``
+need a model that takes audio / video (the tiny Qwen2-VL takes images only): tests/run/test_run_e2e.py.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ def test_every_image_and_text_env_trains_with_toy_shaping_and_skips_honestly_wit
     solves gives zero-advantage batches, and the run says so instead of stepping AdamW on nothing."""
     from gymbridge_envs import get_env
 
+    # 16 tokens keep the runs short (the random tiny model rarely stops by itself); that each environment
+    # gets its own budget, not the colour toy's 4, is tests/run/test_regression_run_config_rules.py's test
     sets = [("steps", 2), ("env.params", get_env(env).smoke_params), ("rollout.max_tokens", 16)]
     shaped = load_run_config(
         ["smoke"], [*sets, ("shaping.kind", "token_rate")], {"env": env, "run_dir": str(tmp_path / "a")}
