@@ -423,10 +423,16 @@ class BridgeIterator:
                     RolloutRecord(task_index, i, failure_class=type(exc).__name__, failure_reason=str(exc))
                     for i in range(self.config.group_size)
                 ]
-            if len(records) != self.config.group_size:
-                raise RuntimeError(
-                    f"rollout source returned {len(records)} records for a group of {self.config.group_size}"
+            if len(records) != self.config.group_size:  # a source bug: every rollout is recorded
+                broken = (
+                    f"rollout source {type(self.source).__name__} returned {len(records)} records "
+                    f"for a group of {self.config.group_size}"
                 )
+                logger.error("task %d: %s", task_index, broken)
+                records = [
+                    RolloutRecord(task_index, i, failure_class="source_contract", failure_reason=broken)
+                    for i in range(self.config.group_size)
+                ]
             rolled = time.perf_counter()
             rollouts_s = time.monotonic() - started
             for rec in records:
@@ -611,16 +617,19 @@ class BridgeIterator:
         zero_variance_budget = self.config.dynamic_sampling_max_rounds * per_batch
         ahead = self.config.max_staleness * per_batch
         while len(groups) < per_batch:
-            self._start_more(per_batch - len(groups) + ahead)
+            try:
+                self._start_more(per_batch - len(groups) + ahead)
+            except BaseException as exc:  # the rows raised: what we hold is recorded, not lost
+                self._abandon(groups, exc)
+                raise
             if not self._pending:
                 break
             task = self._pending.popleft()
             try:
                 result = await task
-            except asyncio.CancelledError:  # the caller cancelled us: what we hold is recorded, not lost
+            except BaseException as exc:  # cancelled, or the group's task raised: recorded, not lost
                 self._record_stopped(task, self._task_index.get(task, -1))
-                for done in groups:
-                    self._drop_group(done, "bridge_stopped", "the iterator was cancelled before its batch")
+                self._abandon(groups, exc)
                 raise
             finally:
                 self._task_index.pop(task, None)
@@ -685,7 +694,13 @@ class BridgeIterator:
                 )
             raise StopAsyncIteration
         assembling = time.perf_counter()
-        batch, groups = self._assemble(groups)
+        try:
+            batch, groups = self._assemble(groups)
+            if self.meter is not None:
+                self.meter.record("rollout_to_policy", batch)
+        except BaseException as exc:  # the groups are done (consumed) but never yielded: recorded
+            self._abandon(groups, exc)
+            raise
         finished = time.perf_counter()
         timings = BatchTimings(
             wait_s=finished - asked,
@@ -697,8 +712,6 @@ class BridgeIterator:
             rollouts=sum(len(g.trajectories) for g in consumed),
         )
         self.stats.batches += 1
-        if self.meter is not None:
-            self.meter.record("rollout_to_policy", batch)
         return BridgeBatch(
             batch=batch,
             groups=groups,
@@ -766,6 +779,15 @@ class BridgeIterator:
                 "time": time.time(),
             }
         )
+
+    def _abandon(self, groups: list[GroupResult], exc: BaseException) -> None:
+        """Record the completed groups of a batch that ``exc`` stops before it is yielded."""
+        if isinstance(exc, asyncio.CancelledError):
+            reason = "the iterator was cancelled before its batch"
+        else:
+            reason = f"the iterator stopped before its batch: {type(exc).__name__}: {exc}"
+        for done in groups:
+            self._drop_group(done, "bridge_stopped", reason)
 
     def _record_stopped(self, task: asyncio.Task[GroupResult], task_index: int) -> None:
         """The records of a prompt still pending when the iterator stops: every started rollout ends
