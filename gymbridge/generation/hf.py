@@ -24,7 +24,10 @@ Invariants:
   temperature / top-p); :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask, as the
   trainer does (docs/generation.md, "Media tokens are never sampled");
 * ``policy_version`` is read under the lock weight publishers replace the weights under
-  (:attr:`HFGenerator.weights_lock`), so a generation's version is that of its weights.
+  (:attr:`HFGenerator.weights_lock`), so a generation's version is that of its weights;
+* :meth:`HFGenerator.from_pretrained` loads safetensors weights only: a directory with only
+  pickle weights (``pytorch_model.bin``) is refused before anything is read
+  (:func:`check_safetensors_weights`), since unpickling runs code from the file.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import random
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gymbridge.errors import ProtocolError
+from gymbridge.errors import ConfigError, ProtocolError
 from gymbridge.generation.chat import ChatCodec
 from gymbridge.generation.types import (
     FinishReason,
@@ -57,7 +61,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HFGenerator", "image_placeholder_token", "suppress_logits"]
+__all__ = ["HFGenerator", "check_safetensors_weights", "image_placeholder_token", "suppress_logits"]
 
 
 _PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
@@ -92,6 +96,32 @@ def image_placeholder_token(path: str, tokenizer: Any) -> str | None:
                 if isinstance(token, str) and vocab.get(token) == value:
                     return token
     return "<|image_pad|>" if "<|image_pad|>" in vocab else None
+
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def check_safetensors_weights(path: str | Path) -> None:
+    """Refuse a model directory whose weights are pickles only (:class:`ConfigError` naming them).
+
+    ``from_pretrained`` unpickles ``pytorch_model.bin`` when no ``*.safetensors`` is there, and
+    unpickling runs whatever code the file holds. A directory with safetensors weights (or none
+    of either: transformers' own error then says what is missing) passes.
+    """
+    folder = Path(path)
+    if not folder.is_dir() or any(folder.glob("*.safetensors")):
+        return
+    pickled = sorted(f.name for f in folder.iterdir() if f.is_file() and f.suffix in _PICKLE_SUFFIXES)
+    if pickled:
+        raise ConfigError(
+            [
+                f"model {path}: its weights are pickle files only ({', '.join(pickled)}) and no "
+                "*.safetensors; gymbridge never unpickles (loading a pickle runs code from the file). "
+                "Convert them once where you trust the file: "
+                "AutoModel.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)"
+            ],
+            source=str(path),
+        )
 
 
 def suppress_logits(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
@@ -289,6 +319,7 @@ class HFGenerator:
         """
         import transformers
 
+        check_safetensors_weights(path)
         torch_dtype = getattr(torch, dtype)
         processor: Any
         try:
@@ -306,7 +337,9 @@ class HFGenerator:
             if loader is None:
                 continue
             try:
-                model = loader.from_pretrained(path, dtype=torch_dtype, local_files_only=True)
+                model = loader.from_pretrained(
+                    path, dtype=torch_dtype, local_files_only=True, use_safetensors=True
+                )
                 break
             except (ValueError, KeyError):
                 continue

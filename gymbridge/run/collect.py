@@ -11,8 +11,10 @@ retries of transport failures, a progress bar with the mean reward) and writes
   ``rollout_index``) and per dataset line that is not a JSON object.
 
 Invariants: every (row, repeat) ends as exactly one line in one of the two files; both files
-are rewritten from scratch by each run and appended to (one whole line per write, flushed) as
-outcomes arrive, so a run stopped early leaves whole lines only.
+are written from scratch by each run and appended to (one whole line per write, flushed) as
+outcomes arrive, so a run stopped early leaves whole lines only. Nothing is lost by mistake:
+``--out`` or the failures file naming the dataset (or each other) is refused before anything is
+opened, and so are earlier results at either path unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -61,13 +63,18 @@ def collect(
     deadline_s: float = 900.0,
     failures: Path | None = None,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> CollectSummary:
-    """Run every row of ``dataset`` ``repeats`` times through the agent at ``agent_url``; see the module."""
+    """Run every row of ``dataset`` ``repeats`` times through the agent at ``agent_url``; see the module.
+
+    ``overwrite``: replace earlier results at ``out`` and the failures file (else refused).
+    """
     if repeats < 1:
         raise ConfigError([f"-n must be >= 1, got {repeats}"])
     if not dataset.is_file():
         raise ConfigError([f"--dataset {dataset}: no such file"])
     failures = failures if failures is not None else _failures_path(out)
+    _check_paths(dataset, out, failures, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     failures.parent.mkdir(parents=True, exist_ok=True)
     with out.open("wb") as results_f, failures.open("wb") as failures_f:
@@ -76,6 +83,26 @@ def collect(
         )
     mean = sum(rewards) / len(rewards) if rewards else None
     return CollectSummary(ok, failed, bad, mean, out, failures)
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+
+
+def _check_paths(dataset: Path, out: Path, failures: Path, *, overwrite: bool) -> None:
+    """Refuse output paths that would empty the dataset or each other, or earlier results (module)."""
+    problems = []
+    for flag, path in (("--out", out), ("--failures", failures)):
+        if _same(path, dataset):
+            problems.append(f"{flag} {path} is the dataset: writing it would empty it before it is read")
+    if _same(out, failures):
+        problems.append(f"--out and --failures are the same file ({out})")
+    if not overwrite:
+        for flag, path in (("--out", out), ("--failures", failures)):
+            if path.is_file() and path.stat().st_size and not _same(path, dataset):
+                problems.append(f"{flag} {path} holds earlier results; pass --overwrite to replace them")
+    if problems:
+        raise ConfigError(problems)
 
 
 async def _collect(
@@ -131,6 +158,9 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--failures", type=Path, default=None, help="failures file (default OUT.failures.jsonl)"
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace earlier results at --out and the failures file"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_cmd_collect)
 
@@ -145,6 +175,7 @@ def _cmd_collect(args: argparse.Namespace) -> int:
         deadline_s=args.deadline_s,
         failures=args.failures,
         progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     mean = "n/a" if summary.mean_reward is None else f"{summary.mean_reward:.3f}"
     print(

@@ -7,11 +7,11 @@ a :class:`ModelServerProcess`; :meth:`ModelServerProcess.stop` ends the whole gr
 register ``stop`` on an exit stack right away: the child is stopped whatever happens (an
 exception, Ctrl-C, a child that never became ready).
 
-Invariants: the child binds 127.0.0.1 on a free port unless told otherwise; its stderr goes
-to ``log_path`` (never a pipe nobody reads), its stdout is drained by a daemon thread; a
-child that exits or stays silent past ``startup_timeout_s`` raises
-:class:`~gymbridge.errors.WeightSyncError`... no: :class:`GeneratorProcessError`, with the
-tail of its log.
+Invariants: the child binds 127.0.0.1 on a free port unless told otherwise; its stderr is
+appended to ``log_path`` (never a pipe nobody reads; never truncated: a resumed run keeps the
+earlier attempts' logs, each start under a ``--- model server start`` line), its stdout is
+drained by a daemon thread; a child that exits or stays silent past ``startup_timeout_s``
+raises :class:`~gymbridge.errors.GeneratorProcessError` with the tail of its own attempt's log.
 """
 
 from __future__ import annotations
@@ -46,10 +46,14 @@ _READY = re.compile(r"serving on (http://\S+)")
 class ModelServerProcess:
     """A running ``gymbridge model serve`` child (see the module docstring)."""
 
-    def __init__(self, proc: subprocess.Popen[str], log_path: Path, log_file: IO[str]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[str], log_path: Path, log_file: IO[str], log_offset: int = 0
+    ) -> None:
         self.proc = proc
         self.log_path = log_path
         self._log_file = log_file
+        self._log_offset = log_offset
+        """Where this child's part of ``log_path`` starts (bytes; earlier attempts' logs before it)."""
         self.url = ""
 
     @property
@@ -57,10 +61,14 @@ class ModelServerProcess:
         return self.proc.pid
 
     def log_tail(self, lines: int = 20) -> str:
+        """The last ``lines`` lines this child logged (not an earlier attempt's)."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, grace_s: float = 10.0) -> None:
         """End the child's whole process group and reap it (idempotent)."""
@@ -137,7 +145,11 @@ def start_model_server_process(
     On any failure the child's group is stopped before :class:`GeneratorProcessError` is raised.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_file = log_path.open("w")
+    log_file = log_path.open("a")  # history: a resumed run keeps the earlier attempts' logs
+    log_offset = log_file.tell()
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    log_file.write(f"--- model server start {stamp}: {' '.join(command)}\n")
+    log_file.flush()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         list(command),
@@ -148,7 +160,7 @@ def start_model_server_process(
         start_new_session=True,  # its own process group: killpg ends it and anything it started
         env=env,
     )
-    child = ModelServerProcess(proc, log_path, log_file)
+    child = ModelServerProcess(proc, log_path, log_file, log_offset)
     try:
         child.url = _wait_ready(child, startup_timeout_s)
     except BaseException:

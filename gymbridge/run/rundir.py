@@ -13,9 +13,10 @@ Invariants:
 
 * a run directory is never deleted by the run that made it (it outlives the process), and no
   line a run wrote is ever lost: a rewrite moves lines, it never drops them;
-* ``metrics.jsonl`` holds one line per step; a step's line is appended (and flushed) once the
-  step is done, before the step's checkpoint is written, so after a crash every checkpointed
-  step has its line. :meth:`RunDir.rewind` (``--resume``) moves the lines of steps after the
+* ``metrics.jsonl`` holds one line per step; a step's line is appended once the step is done,
+  before the step's checkpoint is written, and synced to disk with ``failures.jsonl`` (fsync, as
+  the checkpoint is), so after a crash or a power loss every checkpointed step has its line and
+  its failure records. :meth:`RunDir.rewind` (``--resume``) moves the lines of steps after the
   checkpoint (and a torn last line) to ``metrics.rewound.jsonl``, so each step number appears once
   in ``metrics.jsonl`` of a resumed run;
 * ``failures.jsonl`` is rewound the same way: only the records of rows the checkpoint counts as
@@ -26,8 +27,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,10 +135,30 @@ class RunDir:
 
     # ------------------------------------------------------------------ metrics
     def append_metrics(self, record: Mapping[str, Any]) -> None:
-        """Append one step's record (a whole line in one write, flushed)."""
+        """Append one step's record (a whole line in one write), then sync it and ``failures.jsonl``."""
+        created = not self.metrics_path.exists()
         with self.metrics_path.open("ab") as f:
             f.write(orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
             f.flush()
+            os.fsync(f.fileno())
+        self._sync(self.failures_path)  # the bridge appends (and flushes) its records as they come
+        if created:
+            self._sync(self.path)  # the new file's directory entry
+
+    @staticmethod
+    def _sync(path: Path) -> None:
+        """fsync ``path`` (a file or a directory): what any process wrote to it is on disk."""
+        if not path.exists():
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if path.is_dir():
+                with contextlib.suppress(OSError):  # not every file system syncs a directory
+                    os.fsync(fd)
+            else:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def metrics(self) -> list[dict[str, Any]]:
         return _json_lines(self.metrics_path)
