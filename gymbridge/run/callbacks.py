@@ -16,6 +16,7 @@ so :class:`ArtifactsCallback` hands its writing to a thread of its own and retur
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ if TYPE_CHECKING:
     from gymbridge.run.config import RunConfig
     from gymbridge.run.recipe import GRPORun
     from gymbridge.run.report import RunSummary, StepReport
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ArtifactsCallback",
@@ -56,7 +59,7 @@ class Callback:
 
 
 class MetricsFileCallback(Callback):
-    """Appends each step's record to ``<run_dir>/metrics.jsonl`` (one flushed line per step)."""
+    """Appends each step's record to ``<run_dir>/metrics.jsonl`` (one synced line per step)."""
 
     def on_setup(self, run: GRPORun) -> None:
         self._run_dir = run.run_dir
@@ -74,7 +77,8 @@ class ArtifactsCallback(Callback):
     that falls due while the previous one is still queued or running is skipped (the next one,
     or the end, draws every step). At most :attr:`backlog` steps wait for the writer: beyond
     that ``on_step`` waits (visibly, in the next step's ``timing/artifacts``). A writer's error
-    is raised at the next ``on_step`` or at the end.
+    is raised at the next ``on_step`` or at the end; when the run stops on an error of its own,
+    :meth:`close` waits for the queued writes and says (and logs) each one's error instead.
     """
 
     backlog = 4
@@ -90,13 +94,13 @@ class ArtifactsCallback(Callback):
             run.run_dir.path, decode=run.model.tokenizer.decode, chart_every=run.config.output.chart_every
         )
         self._writer: Any = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymbridge-artifacts")
-        self._queued: collections.deque[Any] = collections.deque()
+        self._queued: collections.deque[tuple[int, Any]] = collections.deque()  # (step, its write)
         self._refresh: Any = None
 
     def _settle(self, keep: int) -> None:
         """Raise a finished write's error; wait until at most ``keep`` writes are queued."""
-        while self._queued and (self._queued[0].done() or len(self._queued) > keep):
-            self._queued.popleft().result()
+        while self._queued and (self._queued[0][1].done() or len(self._queued) > keep):
+            self._queued.popleft()[1].result()
 
     def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
         self._settle(self.backlog - 1)
@@ -109,7 +113,7 @@ class ArtifactsCallback(Callback):
             list(self._records),
             refresh=refresh,
         )
-        self._queued.append(job)
+        self._queued.append((report.step, job))
         if refresh:
             self._refresh = job
 
@@ -123,6 +127,13 @@ class ArtifactsCallback(Callback):
         if writer is not None:
             writer.shutdown(wait=True)  # every file is written whole (atomically) or not at all
             self._writer = None
+            # an error path (the run's own error is on its way): raising here would hide it
+            while self._queued:
+                step, job = self._queued.popleft()
+                error = job.exception()
+                if error is not None:
+                    logger.error("the artifacts of step %d were not written", step, exc_info=error)
+                    self._say(f"artifacts of step {step} not written: {type(error).__name__}: {error}")
 
 
 class ReportersCallback(Callback):
@@ -233,6 +244,11 @@ def step_line(report: StepReport, record: Mapping[str, Any], config: RunConfig) 
         line += f"  truncated masked {m.truncated_masked}"
     if config.bridge.dynamic_sampling:
         line += f"  zero-variance dropped {record['groups_zero_variance_dropped']}"
+    truncated, ok = record.get("rollouts_truncated", 0), record.get("rollouts_ok", 0)
+    if ok and 2 * truncated > ok:
+        line += f"  TRUNCATED {truncated}/{ok} rollouts (a limit hit: rollout.max_tokens?)"
+    for name, why in (record.get("counters_unavailable") or {}).items():
+        line += f"  no {name} counters ({why}: in wait_rollouts)"
     return line + _media_summary(report)
 
 

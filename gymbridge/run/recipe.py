@@ -512,6 +512,7 @@ class GRPORun:
                 checkpoint_s=self._tail["checkpoint"],
             ),
             dp=self._dp_keys(),
+            counters_unavailable=self.counters.unavailable,
         )
         record = report.record()
         reporting = time.perf_counter()
@@ -611,6 +612,8 @@ class GRPORun:
             + f"), {s.elapsed_s:.1f}s total; metrics: {self.run_dir.metrics_path}, "
             f"failures: {self.run_dir.failures_path}"
         )
+        for warning in s.warnings():
+            self.say(warning)
         await asyncio.to_thread(self._end)
 
     def _end(self) -> None:

@@ -85,11 +85,24 @@ class StepReport:
     """Seconds per phase of the step (:data:`gymbridge.run.timing.PHASES`, summing to ``step_s``)."""
     dp: dict[str, Any] = field(default_factory=dict)
     """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
+    counters_unavailable: dict[str, str] = field(default_factory=dict)
+    """Counter sources that could not be read (name -> why): their phases are in ``wait_rollouts``
+    (:attr:`gymbridge.run.timing.StepCounters.unavailable`)."""
 
     @property
     def skipped(self) -> str | None:
         """Why the optimizer did not step (``StepMetrics.skipped``), or ``None``."""
         return self.metrics.skipped
+
+    @property
+    def rollouts_truncated(self) -> int:
+        """Successful rollouts of the step that ended truncated (trained or dropped groups)."""
+        b = self.batch
+        return sum(
+            t.truncated
+            for g in (*b.groups, *b.dropped_stale, *b.dropped_zero_variance)
+            for t in g.trajectories
+        )
 
     def record(self) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` record (module docstring).
@@ -99,8 +112,9 @@ class StepReport:
         once), ``media_tensors`` (the batch's media tensors by modality),
         ``groups_zero_variance_dropped`` / ``zero_variance_task_indices`` (groups dynamic
         sampling left out, each also in ``failures.jsonl``), ``staleness_max`` (the largest
-        ``policy version - oldest turn version`` among the trained groups), ``payload`` and
-        one ``timing/<phase>`` key per phase of :attr:`timing`.
+        ``policy version - oldest turn version`` among the trained groups), ``rollouts_truncated``
+        (of ``rollouts_ok``), ``counters_unavailable``, ``payload`` and one ``timing/<phase>`` key
+        per phase of :attr:`timing`.
         """
         groups = self.batch.groups
         keys: set[str] = set()
@@ -119,6 +133,7 @@ class StepReport:
                 "staleness_max": max((g.staleness for g in groups), default=0),
                 "rollouts_ok": self.batch.rollouts_ok,
                 "rollouts_failed": self.batch.rollouts_failed,
+                "rollouts_truncated": self.rollouts_truncated,
                 "groups_dropped_stale": len(self.batch.dropped_stale),
                 "groups_zero_variance": sum(_zero_variance(g) for g in groups),
                 "groups_zero_variance_dropped": len(self.batch.dropped_zero_variance),
@@ -129,6 +144,7 @@ class StepReport:
                 "weight_sync_s": self.weight_sync_s,
                 "step_s": self.step_s,
                 "payload": {k: dict(v) for k, v in self.payload.items()},
+                "counters_unavailable": dict(self.counters_unavailable),
                 **{f"timing/{phase}": seconds for phase, seconds in self.timing.items()},
                 **self.dp,
             }
@@ -179,3 +195,26 @@ class RunSummary:
         self.shaping_rewards.append(report.shaping_reward_mean)
         self.media_keys.append(report.batch.batch.media_keys())
         self.records.append(record)
+
+    def warnings(self) -> list[str]:
+        """What a user must see at the end: most rollouts truncated, counters that went missing."""
+        out: list[str] = []
+        truncated = sum(int(r.get("rollouts_truncated", 0)) for r in self.records)
+        ok = sum(int(r.get("rollouts_ok", 0)) for r in self.records)
+        if ok and 2 * truncated > ok:
+            skipped = sum(1 for r in self.records if r.get("skipped") is not None)
+            out.append(
+                f"warning: {truncated} of {ok} rollouts ended truncated ({skipped} of {len(self.records)} "
+                "step(s) skipped): they stopped at a limit (rollout.max_tokens, the episode's step cap) "
+                "before the environment could reward them"
+            )
+        missing: dict[str, tuple[int, str]] = {}
+        for r in self.records:
+            for name, why in (r.get("counters_unavailable") or {}).items():
+                missing.setdefault(name, (int(r.get("step", 0)), str(why)))
+        for name, (step, why) in missing.items():
+            out.append(
+                f"warning: no timing counters from the {name} since step {step} ({why}): "
+                "its phases are counted in timing/wait_rollouts"
+            )
+        return out

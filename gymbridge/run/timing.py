@@ -106,8 +106,9 @@ class CounterSource:
     """One component's counters: an in-process ``counters()`` or a ``GET <url>/counters``.
 
     A source that cannot answer (an agent of the user's own without ``/counters``, a server
-    gone) says so once in the log and answers ``{}`` from then on: a step's split never fails
-    the step.
+    gone) warns once, keeps why in :attr:`unavailable` and answers ``{}`` from then on: a step's
+    split never fails the step, and every step's record says the source is missing
+    (:attr:`StepCounters.unavailable`), so its time moving to ``wait_rollouts`` is never silent.
     """
 
     def __init__(
@@ -117,6 +118,8 @@ class CounterSource:
         self._local = local
         self._url = url.rstrip("/") + "/counters" if url else None
         self._off = local is None and url is None
+        self.unavailable: str | None = None
+        """Why the source stopped answering (``None`` while it answers, or when it has no counters)."""
 
     async def read(self, http: Any) -> dict[str, float]:
         if self._off:
@@ -132,10 +135,11 @@ class CounterSource:
                 raise ValueError("not a JSON object")
             return {str(k): float(v) for k, v in body.items() if isinstance(v, int | float)}
         except Exception as exc:  # counters are diagnostics: never fail a step over them
-            logger.info(
+            logger.warning(
                 "%s counters unavailable (%s); its phases are counted in wait_rollouts", self.name, exc
             )
             self._off = True
+            self.unavailable = f"{type(exc).__name__}: {exc}"
             return {}
 
 
@@ -157,6 +161,11 @@ class StepCounters:
         model = await self.model.read(self._http) if self.model is not None else {}
         agent = await self.agent.read(self._http) if self.agent is not None else {}
         return model, agent
+
+    @property
+    def unavailable(self) -> dict[str, str]:
+        """The sources that stopped answering: name -> why (each step's ``counters_unavailable``)."""
+        return {s.name: s.unavailable for s in (self.model, self.agent) if s is not None and s.unavailable}
 
     async def start(self) -> None:
         """Read the counters at the start of a step window (when no earlier :meth:`delta` did)."""
