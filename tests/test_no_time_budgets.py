@@ -11,6 +11,12 @@ turns red for no fault of the code. This guard parses every test source (``tests
   ``deadline = monotonic() + 30``, followed through assignments and through the return values
   of the module's functions, tuple elements separately), or a name or attribute that says it is
   one (``elapsed``, ``result.elapsed_s``, ``wall_s``, ``took_s``, ``latency``);
+* ``assert`` that compares a name or attribute that reads like a measured duration (``seconds``,
+  ``dt``, ``sync_s``, ``report.step_s``, ``record["step_s"]``, ``record["timing/other"]``; not a
+  configured one: ``timeout_s``, ``max_duration_s``)
+  with a bound other than 0 (``0 < seconds < 30``; ``seconds >= 0`` and ``a_s <= b_s`` are not
+  budgets). Such names are not followed through assignments (``timeout_s`` would taint the call
+  it configures);
 * ``if <such a comparison>:`` whose body raises or calls ``pytest.fail``;
 * hypothesis ``settings(deadline=...)`` / ``register_profile(deadline=...)`` other than ``None``
   (a per-example time limit; tests/conftest.py loads a profile without one).
@@ -62,11 +68,20 @@ CLOCK_ATTRS = frozenset(
 CLOCK_NAMES = CLOCK_ATTRS - {"now", "utcnow"}
 # identifiers that name a measured time (not a configured one: ``timeout_s``, ``max_duration_s``)
 TIMING_NAME = re.compile(r"elapsed|(^|_)(wall|took|latency|runtime)(_|$)", re.IGNORECASE)
-# every timing value starts at one of these: a clock call, a timing name, a hypothesis deadline
-HINTS = re.compile(
-    r"\b(?:" + "|".join(sorted(CLOCK_ATTRS)) + r")\s*\(|elapsed|wall|took|latency|runtime|timeit|deadline",
+# names that read like a duration, measured or configured: compared directly only, never followed
+DURATION_NAME = re.compile(r"(^|_)(seconds|dt)$|_s$", re.IGNORECASE)
+CONFIGURED_NAME = re.compile(
+    r"timeout|duration|deadline|delay|interval|lag|sleep|period|ttl|budget|limit|timestamp|^(max|min)_",
     re.IGNORECASE,
 )
+# every timing value starts at one of these: a clock call, a timing name, a hypothesis deadline
+HINTS = re.compile(
+    r"\b(?:" + "|".join(sorted(CLOCK_ATTRS)) + r")\s*\(|elapsed|wall|took|latency|runtime|timeit|deadline"
+    r"|seconds|\bdt\b|_s\b",
+    re.IGNORECASE,
+)
+# calls that keep a duration a duration: abs(a_s - b_s), float(seconds), pytest.approx(b_s)
+DURATION_CALLS = frozenset({"abs", "float", "round", "min", "max", "sum", "approx"})
 ORDER_OPS = (ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq)
 ASSERT_CALLS = frozenset(
     {
@@ -236,18 +251,57 @@ class _Module:
                 self.timing_returns[fn.name] = None
 
 
+def _duration_name(name: str) -> bool:
+    return bool(DURATION_NAME.search(name)) and not CONFIGURED_NAME.search(name)
+
+
+def _is_duration(expr: ast.AST) -> bool:
+    """``expr`` is arithmetic on duration-named names or attributes (``seconds``, ``a.sync_s - t0_s``)."""
+    if isinstance(expr, ast.Name):
+        return _duration_name(expr.id)
+    if isinstance(expr, ast.Attribute):
+        return _duration_name(expr.attr)
+    if isinstance(expr, ast.BinOp):
+        return _is_duration(expr.left) or _is_duration(expr.right)
+    if isinstance(expr, ast.UnaryOp):
+        return _is_duration(expr.operand)
+    if isinstance(expr, ast.Subscript):  # times[0], record["step_s"], record["timing/other"]
+        key = expr.slice.value if isinstance(expr.slice, ast.Constant) else None
+        if isinstance(key, str) and (_duration_name(key) or key.startswith("timing/")):
+            return True
+        return _is_duration(expr.value)
+    if isinstance(expr, ast.Call) and _call_name(expr) in DURATION_CALLS:
+        return any(_is_duration(a) for a in expr.args)
+    return False
+
+
+def _is_zero(expr: ast.AST) -> bool:
+    return isinstance(expr, ast.Constant) and not isinstance(expr.value, bool) and expr.value == 0
+
+
+def _duration_bound(sides: list[ast.expr], *, exact: bool = False) -> bool:
+    """A duration compared with a bound: neither another duration (an ordering) nor 0 (a sign).
+
+    ``exact``: an ``==`` / ``!=`` comparison, a budget only against ``pytest.approx`` (a measured
+    time is never exactly 0.75: that is a fake clock's reading, behaviour).
+    """
+    bounds = [s for s in sides if not _is_duration(s) and not _is_zero(s)]
+    if exact:
+        bounds = [s for s in bounds if isinstance(s, ast.Call) and _call_name(s) == "approx"]
+    return bool(bounds) and any(_is_duration(s) for s in sides)
+
+
 def _timing_comparisons(mod: _Module, expr: ast.AST, tainted: set[str]) -> bool:
     for node in ast.walk(expr):
-        if (
-            isinstance(node, ast.Compare)
-            and any(isinstance(op, ORDER_OPS) for op in node.ops)
-            and any(mod.is_timing(side, tainted) for side in [node.left, *node.comparators])
-        ):
-            return True
+        if isinstance(node, ast.Compare) and any(isinstance(op, ORDER_OPS) for op in node.ops):
+            sides = [node.left, *node.comparators]
+            exact = all(isinstance(op, ast.Eq | ast.NotEq) for op in node.ops)
+            if any(mod.is_timing(side, tainted) for side in sides) or _duration_bound(sides, exact=exact):
+                return True
         if (
             isinstance(node, ast.Call)
             and _call_name(node) in ASSERT_CALLS
-            and any(mod.is_timing(a, tainted) for a in node.args)
+            and (any(mod.is_timing(a, tainted) for a in node.args) or _duration_bound(list(node.args)))
         ):
             return True
     return False
@@ -291,9 +345,8 @@ def find_time_budgets(source: str) -> list[Finding]:
     markers = _markers(source)
     findings: list[Finding] = []
     for scope, nodes in mod.nodes.items():
-        if not mod.live(scope):
-            continue
-        tainted = mod.scopes.get(scope, set())
+        # a scope that reads no clock still compares duration names (``0 < seconds < 30``)
+        tainted = mod.scopes.get(scope, set()) if mod.live(scope) else set()
         for node in nodes:
             if isinstance(node, ast.Assert) and _timing_comparisons(mod, node.test, tainted):
                 findings.append(Finding(node.lineno, node.end_lineno, "assert compares a measured time"))
@@ -433,6 +486,12 @@ FLAGGED = [
         3,
     ),  # a marker needs a reason
     ("async def f():\n    started = asyncio.get_running_loop().time()\n    assert elapsed(started) < 1\n", 3),
+    ("seconds = publisher.publish(model, 1)\nassert 0.0 < seconds < 30.0\n", 2),  # a named duration
+    ("assert report.step_s < 5\n", 1),
+    ("dt = measure()\nassert abs(dt - 0.1) <= 0.05\n", 2),
+    ("assert math.isclose(metrics.sync_s, 0.25)\n", 1),
+    ("assert record['step_s'] < 2 and record['timing/generation'] > 0\n", 1),
+    ("assert report.step_s == pytest.approx(1.0, rel=0.5)\n", 1),
 ]
 
 NOT_FLAGGED = [
@@ -454,6 +513,13 @@ NOT_FLAGGED = [
     "if elapsed > 2:\n    log.warning('slow')\n",
     "@settings(max_examples=50, deadline=None)\ndef test(x): pass\n",
     "assert kls[-1] < 0.7 * kls[0]\n",
+    "assert seconds >= 0.0 and metrics.weight_sync_s == 0\n",  # a sign, not a budget
+    "assert t.postprocess_s + t.build_s <= t.wait_s\n",  # an ordering of two measured times
+    "assert timer.snapshot()['env_seed_s'] == 0.75\n",  # a fake clock's exact reading
+    "assert r['timing/optimizer'] == pytest.approx(r['optimizer_s'])\n",  # one measure, two places
+    "assert r['timing/other'] >= 0 and r['timing/weight_sync'] >= r['weight_sync_s']\n",
+    "assert cfg.timeout_s == 30.0 and clip.timestamps_s[-1] >= 1.3\n",  # configured, not measured
+    "assert set(forward_media_kwargs(seconds, ['x'])) == {'x'}\n",
 ]
 
 
@@ -466,6 +532,22 @@ def test_detector_flags_a_time_budget(source: str, line: int | list[int]) -> Non
 @pytest.mark.parametrize("source", NOT_FLAGGED)
 def test_detector_leaves_behaviour_and_marked_deadlines_alone(source: str) -> None:
     assert find_time_budgets(source) == [], source
+
+
+def test_regression_a_duration_named_seconds_or_s_compared_with_a_bound_is_a_budget() -> None:
+    """``assert 0.0 < seconds < 30.0`` (tests/trainer/test_weight_sync_process.py) passed the guard:
+    its pattern knew ``elapsed`` / ``wall`` / ``took`` but not ``seconds``, ``*_s`` or ``dt``."""
+    source = (
+        "def test_publish(publisher):\n"
+        "    seconds = publisher.publish(model, 1)\n"
+        "    assert 0.0 < seconds < 30.0\n"
+        "    assert seconds > 0.0\n"
+        "    assert publisher.last.sync_s <= 5\n"
+        "    dt = measure()\n"
+        "    assert dt < 0.1\n"
+        "    assert publisher.timeout_s == 30.0\n"
+    )
+    assert [f.line for f in find_time_budgets(source)] == [3, 5, 7]
 
 
 def test_detector_names_each_budget_of_a_real_looking_test_file() -> None:

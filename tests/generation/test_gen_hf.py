@@ -58,12 +58,12 @@ async def test_finish_reason_and_stop_tokens(tiny_gen: HFGenerator) -> None:
     inp = make_input(tiny_gen, "hello")
     first = (await tiny_gen.generate([inp], SamplingConfig(max_tokens=5, seed=0)))[0]
     assert first.finish_reason == "length" and len(first.token_ids) == 5
-    # make the 3rd sampled token a stop token: generation must stop there, keeping it
-    stop = first.token_ids[2]
-    if stop in first.token_ids[:2]:
-        pytest.skip("sampled token repeats; pick another seed")
+    # make the latest sampled token not sampled before it a stop token: generation must stop
+    # there, keeping it (the first token always qualifies, so the stop path always runs)
+    at = max(i for i, t in enumerate(first.token_ids[:4]) if t not in first.token_ids[:i])
+    stop = first.token_ids[at]
     again = (await tiny_gen.generate([inp], SamplingConfig(max_tokens=5, seed=0, stop_token_ids=(stop,))))[0]
-    assert again.token_ids == first.token_ids[:3] and again.finish_reason == "stop"
+    assert again.token_ids == first.token_ids[: at + 1] and again.finish_reason == "stop"
 
 
 async def test_seed_reproduces_and_leaves_the_global_rng_alone(tiny_gen: HFGenerator) -> None:
@@ -164,6 +164,30 @@ async def test_from_pretrained_loads_a_saved_vlm(tiny_gen: HFGenerator, tiny: An
     s = SamplingConfig(max_tokens=4, seed=9)
     assert await loaded.generate([inp], s) == await tiny_gen.generate([inp], s)
     assert make_input(loaded, "same?", [(1, 2, 3)]).prompt_token_ids == inp.prompt_token_ids
+
+
+def test_regression_pickle_only_weights_are_refused_never_unpickled(
+    tiny: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``from_pretrained`` ran without ``use_safetensors=True``: a directory holding only
+    ``pytorch_model.bin`` was unpickled (code from the file could run), against docs/security.md."""
+    import torch
+
+    from gymbridge.errors import ConfigError
+    from gymbridge.run.model import load_pretrained
+
+    tiny.model.config.save_pretrained(tmp_path)
+    torch.save(tiny.model.state_dict(), tmp_path / "pytorch_model.bin")  # the pickle a hub repo may hold
+    tiny.tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "pytorch_model.bin").is_file() and not list(tmp_path.glob("*.safetensors"))
+    unpickled: list[object] = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(a))
+    with pytest.raises(ConfigError, match=r"pickle files only \(pytorch_model.bin\)") as err:
+        HFGenerator.from_pretrained(str(tmp_path), device="cpu")
+    assert err.value.source == str(tmp_path)
+    with pytest.raises(ConfigError, match="gymbridge never unpickles"):
+        load_pretrained(str(tmp_path))  # the run's loader (``model.name: <dir>``) too
+    assert unpickled == []
 
 
 async def test_regression_from_pretrained_finds_omni_image_placeholder(

@@ -27,7 +27,7 @@ from gymbridge.run.callbacks import step_line
 from gymbridge.run.model import RunModel
 from gymbridge.tensors import MediaProcessor
 from gymbridge.testing.tiny_vlm import TinyVLM
-from gymbridge.trainer import GRPOTrainer, tiny_policy
+from gymbridge.trainer import GRPOTrainer, InProcessPublisher, tiny_policy
 
 Reward = Callable[[str], float]
 
@@ -100,13 +100,12 @@ class Parts:
             "tiny", tiny.processor, tiny.tokenizer, policy, (tiny.image_token_id,), tiny_policy, "--tiny"
         )
         self.published: list[int] = []
+        self.publisher = InProcessPublisher(self.generator)  # what generator.placement: in_process uses
         self.run_dir = RunDir.create(tmp_path)
 
     def publish(self, version: int) -> float:
-        self.generator.model.load_state_dict(self.trainer.model.state_dict())
-        self.generator.policy_version = version
         self.published.append(version)
-        return 0.001
+        return self.publisher.publish(self.trainer.model, version)
 
     def run(self, callbacks: list[Any]) -> GRPORun:
         return GRPORun.from_parts(
@@ -146,11 +145,18 @@ def test_a_step_trains_publishes_and_reports(tiny: TinyVLM, tmp_path: Path) -> N
     assert parts.published == list(range(1, len(trained) + 1))  # one version per optimizer step
     for r in trained:
         assert r.published and r.metrics.ratio_mean == pytest.approx(1.0, abs=1e-4)  # on-policy
-        assert r.policy_version == r.metrics.policy_version and r.weight_sync_s == 0.001
+        assert r.policy_version == r.metrics.policy_version
+        # the publisher's own measure, reported as is and inside the step's weight_sync phase
+        assert r.weight_sync_s == r.metrics.weight_sync_s > 0
+        assert r.record()["timing/weight_sync"] >= r.weight_sync_s
+    # the generator holds the trainer's weights at the last version published
+    assert parts.generator.policy_version == reports[-1].policy_version == len(trained)
+    generated = parts.generator.model.state_dict()
+    assert all(torch.equal(t, generated[k]) for k, t in parts.trainer.model.state_dict().items())
     for r in reports:
         record = r.record()
-        timing = [v for k, v in record.items() if k.startswith("timing/")]
-        assert sum(timing) == pytest.approx(record["step_s"], rel=1e-6)
+        assert all(v >= 0 for k, v in record.items() if k.startswith("timing/"))  # ``other``: no overlap
+        assert record["timing/forward_backward"] == pytest.approx(r.metrics.forward_backward_s)
         assert record["rollouts_ok"] == 8 and len(record["task_indices"]) == 2
     lines = [json.loads(x) for x in parts.run_dir.metrics_path.read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and lines[-1] == reports[-1].record()

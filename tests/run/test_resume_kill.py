@@ -80,8 +80,13 @@ def checkpointed(run: Path, step: int) -> Callable[[], bool]:
 
 
 MOMENTS: dict[str, tuple[list[str], Callable[[Path], Callable[[], bool]], float]] = {
-    # before any checkpoint: the first step's metrics line is written, its checkpoint may not be
-    "before_first_checkpoint": ([], lambda run: lambda: bool(lines(run / "metrics.jsonl")), 0.0),
+    # before any checkpoint: the first step's metrics line is written; the first checkpoint is step
+    # 2's (a whole step later), so the kill always lands before it and the refusal path always runs
+    "before_first_checkpoint": (
+        ["--set", "checkpoint.every=2"],
+        lambda run: lambda: bool(lines(run / "metrics.jsonl")),
+        0.0,
+    ),
     "right_after_first_checkpoint": ([], lambda run: checkpointed(run, 1), 0.0),
     # running ahead: the next batch's rollouts are in flight, step 3 is under way
     "mid_step_running_ahead": (["--set", "bridge.max_staleness=1"], lambda run: checkpointed(run, 2), 0.02),
@@ -102,10 +107,13 @@ def test_sigkill_then_resume_trains_each_row_once(moment: str, tmp_path: Path) -
     killed_steps = [r["step"] for r in lines(run / "metrics.jsonl")]
     assert killed_steps != list(range(1, STEPS + 1)), "the run finished before it was killed"
 
+    fresh = moment == "before_first_checkpoint"
+    assert (run / "checkpoints" / "latest.json").exists() != fresh, killed_steps
+
     resumed = smoke("--resume", str(run))
     out, _ = resumed.communicate(timeout=600)
     text = out.decode()
-    if not (run / "checkpoints" / "latest.json").exists():  # killed before its first checkpoint
+    if fresh:  # refused, then started again with the earlier attempt's lines set aside
         assert resumed.returncode == 2 and "no checkpoint in" in text, text
         resumed = smoke("--resume-or-start", str(run))
         out, _ = resumed.communicate(timeout=600)

@@ -205,9 +205,10 @@ def test_native_rollouts_of_a_tool_env_whose_rows_offer_no_tools_do_not_reset(tm
 
 
 def test_every_step_says_where_its_time_went(tmp_path: Path) -> None:
-    """Issue 29: each metrics.jsonl line splits ``step_s`` into ``timing/*`` phases that add up to it
-    (``other`` the rest, never negative), the model server's and the agent's own counters among
-    them; ``charts/timing.png`` draws the split and the console's summary gives the medians."""
+    """Issue 29: each metrics.jsonl line splits ``step_s`` into ``timing/*`` phases (``other`` the
+    rest: never negative, so no phase is counted twice), each phase measured where it happens, the
+    model server's and the agent's own counters among them; ``charts/timing.png`` draws the split and
+    the console's summary gives the medians."""
     import orjson
     from PIL import Image
 
@@ -220,8 +221,11 @@ def test_every_step_says_where_its_time_went(tmp_path: Path) -> None:
     for r in lines:
         timing = {k: v for k, v in r.items() if k.startswith("timing/")}
         assert set(timing) == {f"timing/{p}" for p in PHASES}
-        assert sum(timing.values()) == pytest.approx(r["step_s"], rel=1e-9, abs=1e-9)
-        assert r["timing/other"] >= -1e-6 and all(v >= 0 for v in timing.values())
+        assert all(v >= 0 for v in timing.values())  # ``other`` too: the phases do not overlap
+        # the update's phases are the trainer's own measures; the publication is inside weight_sync
+        assert r["timing/forward_backward"] == pytest.approx(r["forward_backward_s"])
+        assert r["timing/optimizer"] == pytest.approx(r["optimizer_s"])
+        assert r["timing/weight_sync"] >= r["weight_sync_s"]
         # the Gym path: the model server's compute and the agent's env calls are counted
         assert r["timing/generation"] > 0 and r["timing/env_seed"] > 0 and r["timing/env_verify"] > 0
         assert r["timing/postprocess"] > 0 and r["timing/batch_build"] > 0

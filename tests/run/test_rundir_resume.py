@@ -72,7 +72,8 @@ def test_run_dir_holds_config_metrics_failures_and_checkpoints(
         assert r["payload"]["rollout_to_policy"]["logical_media_bytes"] == (
             2 * r["payload"]["rollout_to_policy"]["physical_media_bytes"]
         )
-        assert sum(v for k, v in r.items() if k.startswith("timing/")) == pytest.approx(r["step_s"], rel=1e-6)
+        assert all(v >= 0 for k, v in r.items() if k.startswith("timing/"))  # ``other`` too: no overlap
+        assert r["timing/weight_sync"] >= r["weight_sync_s"]  # the publication, measured around it
     assert sorted(t for r in recs for t in r["task_indices"]) == [0, 1, 2]
     trained = [r["policy_version"] for r in recs if r["skipped"] is None]
     assert trained == list(range(1, len(trained) + 1)) and recs[-1]["policy_version"] == len(trained)
