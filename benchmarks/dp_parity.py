@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "trainer"
 
 from trainer_helpers import make_batch, with_current_logprobs
 
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, RayDPTrainer, from_config, init_ray, tiny_policy
 
 # encoder_dedup off: the bit-identity of dedup on vs off is one of transport (docs/dp.md)

@@ -82,7 +82,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from gymbridge.testing.tiny_vlm import TinyImageProcessor, TinyVLMProcessor, build_tiny_vlm
+    from gymbridge.models.tiny_vlm import TinyImageProcessor, TinyVLMProcessor, build_tiny_vlm
     from gymbridge.trainer.grpo import GRPOConfig, GRPOTrainer
 
     tiny = build_tiny_vlm(0)

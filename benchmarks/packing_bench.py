@@ -21,8 +21,8 @@ import torch
 from PIL import Image
 
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy, token_logprobs
 from gymbridge.trajectory.types import Trajectory, Turn
 

@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gymbridge.media import MediaItem
 from gymbridge.metrics import payload_stats
+from gymbridge.models.tiny_vlm import TinyVLM, TinyVLMProcessor, build_tiny_vlm
 from gymbridge.tensors import MediaLike, MediaProcessor, PackedTensor, ProcessedMedia, TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM, TinyVLMProcessor, build_tiny_vlm
 from gymbridge.trajectory.types import Trajectory, Turn
 
 IMAGE_SIDE = 448
@@ -539,7 +539,7 @@ def av_trajectories(modality: str, prompts: int, g: int) -> tuple[list[Trajector
     """``prompts`` x ``g`` rollouts of the environment that carries ``modality`` (bouncing_ball's video,
     beep_count's audio), each rollout loading its prompt's clip separately; returns them and the processor."""
     from gymbridge.media import load_media
-    from gymbridge.testing.tiny_omni import build_tiny_omni
+    from gymbridge.models.tiny_omni import build_tiny_omni
     from gymbridge_envs.registry import get_env
 
     omni = build_tiny_omni(0)

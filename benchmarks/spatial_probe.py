@@ -25,9 +25,9 @@ import torch
 from PIL import Image, ImageDraw
 
 from gymbridge.generation.hf import HFGenerator, suppress_logits
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.run.warmup import _example_tensors
 from gymbridge.server import image_part
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import tiny_policy
 from gymbridge_envs._common import png_data_url
 from gymbridge_envs.side_pick.data import QUESTION, render

@@ -124,9 +124,9 @@ def _rows(n: int, turns: int) -> list[dict[str, Any]]:
 async def _scripted_level(model_url: str, g: int, turns: int, warmup: int, steps: int) -> dict[str, Any]:
     from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
     from gymbridge.client import GymClient
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
     from gymbridge.server import SimpleAgent, start_server
     from gymbridge.tensors import MediaProcessor
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
     from gymbridge_envs.color_pick.server import ColorPickServer
 
     tiny = build_tiny_vlm(0)

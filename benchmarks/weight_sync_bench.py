@@ -41,7 +41,7 @@ import torch
 
 def build(size: str) -> Any:
     """The model of ``size`` (``tiny`` or ``100m``), seed 0, fp32."""
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     tiny = build_tiny_vlm(0)
     if size == "tiny":
@@ -69,7 +69,7 @@ async def serve(size: str) -> None:
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.generation.weights import WeightReceiver
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     torch.set_num_threads(1)
     gen = HFGenerator(build(size), build_tiny_vlm(0).processor, max_model_len=256)
@@ -124,7 +124,7 @@ def stop_child(proc: subprocess.Popen[Any]) -> None:
 def measure(size: str, syncs: int, bucket_mb: int) -> dict[str, Any]:
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.generation.weights import named_weights, open_weight_group, plan_buckets, weight_store
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher
 
     bucket_bytes = bucket_mb * 1024 * 1024

@@ -16,8 +16,8 @@ import asyncio
 
 from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
 from gymbridge.client import GymClient
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy
 
 

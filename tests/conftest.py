@@ -27,8 +27,8 @@ from hypothesis import settings
 
 if TYPE_CHECKING:
     from gymbridge.generation.hf import HFGenerator
-    from gymbridge.testing.tiny_omni import TinyOmni
-    from gymbridge.testing.tiny_vlm import TinyVLM
+    from gymbridge.models.tiny_omni import TinyOmni
+    from gymbridge.models.tiny_vlm import TinyVLM
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,7 +118,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny() -> TinyVLM:
     """The tiny offline Qwen2-VL (random weights, seed 0), built once per session."""
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     return build_tiny_vlm(0)
 
@@ -134,7 +134,7 @@ def tiny_gen() -> HFGenerator:
 @pytest.fixture(scope="session")
 def tiny_omni() -> TinyOmni:
     """The tiny offline Qwen2.5-Omni thinker (image, video, audio; random weights, seed 0), built once."""
-    from gymbridge.testing.tiny_omni import build_tiny_omni
+    from gymbridge.models.tiny_omni import build_tiny_omni
 
     return build_tiny_omni(0)
 

@@ -7,7 +7,8 @@ its settings :class:`BridgeConfig`, :class:`BridgeStats`,
 :class:`NativeRollouts` (``run_episode``), :class:`RolloutRecord`; :class:`RowReferencer` (media by reference:
 a prompt's inline media stored once, the G rows carry references); toy shaping and seeds:
 :class:`TokenRateShaping` / :class:`ShapingConfig` (a ``reward_fn``),
-:func:`rollout_seed`, :class:`PromptSeededGenerator`. See ``docs/bridge.md``.
+:func:`rollout_seed`, :class:`PromptSeededGenerator` (re-exported from :mod:`gymbridge.generation.seeding`).
+See ``docs/bridge.md``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from gymbridge.bridge.iterator import (
     GroupResult,
     read_rows,
 )
-from gymbridge.bridge.shaping import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
+from gymbridge.bridge.shaping import ShapingConfig, TokenRateShaping
 from gymbridge.bridge.sources import GymRollouts, NativeRollouts, RolloutRecord, RolloutSource, indexed_rows
+from gymbridge.generation.seeding import PromptSeededGenerator, rollout_seed
 
 __all__ = [
     "BatchTimings",

@@ -30,8 +30,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
-from gymbridge.bridge.shaping import rollout_seed
 from gymbridge.errors import GymbridgeError
+from gymbridge.generation.seeding import rollout_seed
 
 if TYPE_CHECKING:
     from gymbridge.bridge.byref import RowReferencer

@@ -31,7 +31,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gymbridge.families._base import GENERIC, MODALITIES, ModelFamily, collapse_runs
+from gymbridge.families._base import (
+    GENERIC,
+    MODALITIES,
+    ModelFamily,
+    audio_output_length,
+    collapse_runs,
+    num_placeholders,
+    sub_processors,
+)
 from gymbridge.families._gemma3 import Gemma3
 from gymbridge.families._internvl import InternVL
 from gymbridge.families._processors import image_only_processor, load_image_only_processor
@@ -45,14 +53,17 @@ __all__ = [
     "ModelFamily",
     "QwenOmni",
     "QwenVL",
+    "audio_output_length",
     "collapse_runs",
     "end_of_turn_markers",
     "families",
     "family_of",
     "image_only_processor",
     "load_image_only_processor",
+    "num_placeholders",
     "processor_only_keys",
     "register_family",
+    "sub_processors",
 ]
 
 _FAMILIES: list[ModelFamily] = [QwenVL(), QwenOmni(), Gemma3(), InternVL()]

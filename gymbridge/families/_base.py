@@ -16,10 +16,21 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from gymbridge.hf_config import model_sub_configs
+
 if TYPE_CHECKING:
     from gymbridge.tensors.packed import PackedTensor
 
-__all__ = ["GENERIC", "MODALITIES", "ModelFamily", "collapse_runs", "referenced_rows"]
+__all__ = [
+    "GENERIC",
+    "MODALITIES",
+    "ModelFamily",
+    "audio_output_length",
+    "collapse_runs",
+    "num_placeholders",
+    "referenced_rows",
+    "sub_processors",
+]
 
 MODALITIES: tuple[str, ...] = ("image", "video", "audio")
 
@@ -34,8 +45,6 @@ def _int_attr(obj: Any, name: str) -> int | None:
 
 def _configs(config: Any) -> tuple[Any, ...]:
     """``config`` and its sub-configs that carry token ids (a whole Qwen2.5-Omni checkpoint's thinker)."""
-    from gymbridge.generation.types import model_sub_configs
-
     return tuple(model_sub_configs(config))
 
 
@@ -63,6 +72,58 @@ def referenced_rows(pack: PackedTensor | None) -> int:
         return 0
     sizes = [int(seg.shape[pack.pack_dim]) for seg in pack.segments]
     return sum(sizes[r] for r in pack.refs.tolist())
+
+
+def audio_output_length(feature_frames: int) -> int:
+    """Audio placeholder tokens for ``feature_frames`` valid mel frames (Qwen2-Audio / Qwen2.5-Omni).
+
+    The encoder's conv stem halves the frames (stride 2), then a stride-2 pooling halves them again.
+    """
+    after_conv = (feature_frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def _merge_size(sub: Any) -> int:
+    return int(getattr(sub, "merge_size", 1) or 1)
+
+
+def num_placeholders(modality: str, outputs: dict[str, torch.Tensor], sub: Any) -> int | None:
+    """Placeholder tokens one processed medium occupies through its sub-processor ``sub``, or ``None``.
+
+    ``prod(grid_thw) // merge_size**2`` for a Qwen-style grid; for audio, each clip's valid
+    ``feature_attention_mask`` frames through the processor's ``num_audio_tokens`` when it has one,
+    else :func:`audio_output_length`; ``None`` when the outputs give no way to know.
+    """
+    grid_key = _GRID_KEYS.get(modality)
+    if grid_key is not None and grid_key in outputs:
+        grid = outputs[grid_key].to(torch.int64)
+        return int(grid.prod(dim=-1).sum()) // (_merge_size(sub) ** 2)
+    if modality == "audio" and "feature_attention_mask" in outputs:
+        frames = outputs["feature_attention_mask"].to(torch.int64).sum(dim=-1)
+        custom = getattr(sub, "num_audio_tokens", None)
+        if callable(custom):
+            return int(sum(int(custom(int(f))) for f in frames.tolist()))
+        return int(sum(audio_output_length(int(f)) for f in frames.tolist()))
+    return None
+
+
+def sub_processors(processor: Any) -> dict[str, Any]:
+    """Modality -> the part of a Hugging Face ``processor`` that handles it.
+
+    ``image_processor`` (or the processor itself when it is a bare image processor),
+    ``video_processor`` and ``feature_extractor`` (audio); a modality it lacks is absent.
+    """
+    subs: dict[str, Any] = {}
+    image_proc = getattr(processor, "image_processor", None)
+    if image_proc is None and "pixel_values" in getattr(processor, "model_input_names", ()):
+        image_proc = processor  # a bare image processor
+    if image_proc is not None:
+        subs["image"] = image_proc
+    if (video_proc := getattr(processor, "video_processor", None)) is not None:
+        subs["video"] = video_proc
+    if (audio_proc := getattr(processor, "feature_extractor", None)) is not None:
+        subs["audio"] = audio_proc
+    return subs
 
 
 class ModelFamily:
@@ -117,8 +178,6 @@ class ModelFamily:
         self, modality: str, outputs: Mapping[str, torch.Tensor], processor: Any
     ) -> int | None:
         """Placeholder tokens one processed item occupies (``None``: the processor gives no way to know)."""
-        from gymbridge.tensors.processor import num_placeholders, sub_processors
-
         sub = sub_processors(processor).get(modality, processor)
         return num_placeholders(modality, dict(outputs), sub)
 
@@ -130,8 +189,6 @@ class ModelFamily:
         Images and videos: ``prod(grid_thw) // spatial_merge_size**2``; audio: the encoder's output
         length of each clip's ``feature_attention_mask`` frames.
         """
-        from gymbridge.tensors.processor import audio_output_length
-
         grid_key = _GRID_KEYS.get(modality)
         if grid_key is not None:
             merge = int(getattr(getattr(config, "vision_config", None), "spatial_merge_size", 0) or 0)

@@ -5,7 +5,8 @@ Public API (stable): :class:`Generator` (the protocol), :class:`SamplingConfig`,
 layer, which builds it), :class:`HFGenerator` (transformers), :class:`VLLMGenerator`
 (vLLM, the ``vllm`` extra, imported lazily), :class:`ChatCodec` (templating with an
 exact prefix splice, reasoning / tool-call parsing), :class:`BatchingGenerator`,
-:class:`ModelServer` and :class:`ScriptedGenerator` (forced turns for tests).
+:class:`ModelServer`, :class:`ScriptedGenerator` (forced turns for tests), and the sampling
+seeds of a rollout (:func:`rollout_seed`, :class:`PromptSeededGenerator`).
 
 Heavy modules (transformers, aiohttp, vLLM) are imported on first attribute
 access, so ``import gymbridge.generation`` stays cheap.
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from gymbridge.generation.chat import ChatCodec, ChatMessage, ParsedOutput, RenderedPrompt, ToolCall
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.generation.scripted import ScriptedGenerator
+    from gymbridge.generation.seeding import PromptSeededGenerator, rollout_seed
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.generation.vllm import VLLMGenerator
 
@@ -40,11 +42,13 @@ __all__ = [
     "ModelServer",
     "ModelServerConfig",
     "ParsedOutput",
+    "PromptSeededGenerator",
     "RenderedPrompt",
     "SamplingConfig",
     "ScriptedGenerator",
     "ToolCall",
     "VLLMGenerator",
+    "rollout_seed",
 ]
 
 _LAZY: dict[str, str] = {
@@ -58,6 +62,8 @@ _LAZY: dict[str, str] = {
     "ModelServer": "gymbridge.generation.server",
     "ModelServerConfig": "gymbridge.generation.server",
     "ScriptedGenerator": "gymbridge.generation.scripted",
+    "PromptSeededGenerator": "gymbridge.generation.seeding",
+    "rollout_seed": "gymbridge.generation.seeding",
     "VLLMGenerator": "gymbridge.generation.vllm",
 }
 

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``model serve``."""
-    from gymbridge.cli import DEFAULT_MODEL_PORT, add_address_arguments
+    from gymbridge.cli_common import DEFAULT_MODEL_PORT, add_address_arguments
 
     p = sub.add_parser("serve", help="serve a generator as a NeMo Gym model server (training mode)")
     which = p.add_mutually_exclusive_group(required=True)
@@ -134,7 +134,7 @@ def check_model_dir(path: str) -> Path:
 
 def build_generator(args: argparse.Namespace) -> Any:
     """The generator the arguments name."""
-    from gymbridge.testing.families import parse_tiny_spec
+    from gymbridge.models.tiny_families import parse_tiny_spec
 
     reasoning = not args.no_reasoning_parser
     suppressed = tuple(getattr(args, "suppress_token_id", None) or ())
@@ -198,8 +198,8 @@ def weight_sink_for(generator: Any) -> Any:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from gymbridge.server._base import probe_port, serve_until_stopped
-    from gymbridge.testing.families import parse_tiny_spec
+    from gymbridge.models.tiny_families import parse_tiny_spec
+    from gymbridge.serving import probe_port, serve_until_stopped
 
     if args.model is not None and parse_tiny_spec(args.model) is None:
         check_model_dir(args.model)
@@ -227,7 +227,7 @@ async def _serve(args: argparse.Namespace) -> None:
         sink = weight_sink_for(generator)
     served: Any = generator
     if args.prompt_seed is not None:
-        from gymbridge.bridge.shaping import PromptSeededGenerator
+        from gymbridge.generation.seeding import PromptSeededGenerator
 
         served = PromptSeededGenerator(generator, args.prompt_seed)
     server = ModelServer(served, config=config, media_policy=policy, weight_sink=sink)
@@ -245,7 +245,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry: ``python -m gymbridge.generation.cli serve ...``."""
-    from gymbridge.cli import run_command
+    from gymbridge.cli_common import run_command
 
     parser = argparse.ArgumentParser(prog="gymbridge model")
     add_model_commands(parser.add_subparsers(dest="command", required=True))

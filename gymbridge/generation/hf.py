@@ -81,7 +81,7 @@ def image_placeholder_token(path: str, tokenizer: Any) -> str | None:
     """
     import transformers
 
-    from gymbridge.generation.types import model_sub_configs
+    from gymbridge.hf_config import model_sub_configs
 
     vocab = tokenizer.get_vocab()
     try:
@@ -138,7 +138,7 @@ def _tokenizer_processor(path: str) -> Any:
     """A saved tokenizer; for a Qwen-VL-style model (Qwen-VL, the Qwen2.5-Omni thinker, or one of no
     registered family) with a saved image processor but no processor class, that image processor with
     Qwen-VL placeholder expansion of the model's own image placeholder
-    (:func:`image_placeholder_token`; :class:`~gymbridge.testing.tiny_vlm.TinyVLMProcessor`)."""
+    (:func:`image_placeholder_token`; :class:`~gymbridge.models.tiny_vlm.TinyVLMProcessor`)."""
     import transformers
 
     from gymbridge.families import GENERIC, QwenVL, family_of
@@ -160,7 +160,7 @@ def _tokenizer_processor(path: str) -> Any:
         image_processor = auto_image_processor.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, ImportError):
         return tokenizer
-    from gymbridge.testing.tiny_vlm import TinyVLMProcessor
+    from gymbridge.models.tiny_vlm import TinyVLMProcessor
 
     return TinyVLMProcessor(tokenizer, image_processor, image_token=image_token)
 
@@ -279,7 +279,7 @@ class HFGenerator:
     @classmethod
     def tiny(cls, seed: int = 0, **kwargs: Any) -> HFGenerator:
         """The tiny offline random-weight Qwen2-VL (nothing downloaded)."""
-        from gymbridge.testing.tiny_vlm import build_tiny_vlm
+        from gymbridge.models.tiny_vlm import build_tiny_vlm
 
         tiny = build_tiny_vlm(seed)
         kwargs.setdefault("model_name", f"gymbridge-tiny-qwen2-vl-seed{seed}")
@@ -288,7 +288,7 @@ class HFGenerator:
     @classmethod
     def tiny_omni(cls, seed: int = 0, **kwargs: Any) -> HFGenerator:
         """The tiny offline random-weight Qwen2.5-Omni thinker (image, video, audio; nothing downloaded)."""
-        from gymbridge.testing.tiny_omni import build_tiny_omni
+        from gymbridge.models.tiny_omni import build_tiny_omni
 
         tiny = build_tiny_omni(seed)
         kwargs.setdefault("model_name", f"gymbridge-tiny-qwen2.5-omni-seed{seed}")
@@ -296,8 +296,8 @@ class HFGenerator:
 
     @classmethod
     def tiny_family(cls, family: str, seed: int = 0, **kwargs: Any) -> HFGenerator:
-        """A private copy of the tiny offline model of ``family`` (:mod:`gymbridge.testing.families`)."""
-        from gymbridge.testing.families import tiny_family_policy, tiny_model
+        """A private copy of the tiny offline model of ``family`` (:mod:`gymbridge.models.tiny_families`)."""
+        from gymbridge.models.tiny_families import tiny_family_policy, tiny_model
 
         tiny = tiny_model(family, seed)
         kwargs.setdefault("model_name", tiny.name)
@@ -417,7 +417,7 @@ class HFGenerator:
         (:meth:`use_media_cache`, the model server's) a medium's tensors are computed once per
         content key (``GenerationInput.media`` gives the keys).
         """
-        from gymbridge.tensors.processor import process_decoded, sub_processors
+        from gymbridge.tensors.processor import process_cached, process_decoded, sub_processors
 
         subs = sub_processors(self.processor)
         per_key: dict[str, list[torch.Tensor]] = {}
@@ -444,7 +444,7 @@ class HFGenerator:
                 for j, item in enumerate(items):
                     try:
                         if cache is not None:
-                            outputs = cache.processed(modality, sub, keys[j], _constant(item))
+                            outputs = process_cached(cache, modality, sub, keys[j], _constant(item))
                         else:
                             outputs = process_decoded(modality, sub, item)
                     except Exception as exc:

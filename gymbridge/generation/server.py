@@ -53,6 +53,7 @@ from gymbridge.generation.outputs import chat_message, response_items
 from gymbridge.generation.types import ContextLengthError, Generation, Generator, SamplingConfig
 from gymbridge.limits import loads_json
 from gymbridge.media.cache import DEFAULT_MEDIA_CACHE_BYTES, MediaCache
+from gymbridge.serving import bind_error, check_port
 from gymbridge.trajectory.refresh import ConversationHistory, build_generation_input
 from gymbridge.trajectory.types import GenerationInput
 
@@ -273,8 +274,6 @@ class ModelServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve on ``host:port`` (0 = a free port); return the base URL (without ``/v1``)."""
-        from gymbridge.server._base import bind_error, check_port
-
         check_port(port)
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
@@ -448,12 +447,15 @@ class ModelServer:
 
     def _placeholders(self, item: MediaItem) -> int | None:
         """Placeholder tokens of ``item`` (its family's count) from its outputs, processed once per key."""
+        from gymbridge.tensors.processor import process_cached
 
         sub = self._subs.get(item.modality)
         if sub is None:
             return None
         try:
-            outputs = self.media_cache.processed(item.modality, sub, item.key, lambda: self._decoded(item))
+            outputs = process_cached(
+                self.media_cache, item.modality, sub, item.key, lambda: self._decoded(item)
+            )
         except MediaError:
             raise
         except Exception as exc:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from gymbridge.errors import GymbridgeError
+from gymbridge.hf_config import model_sub_configs
 from gymbridge.trajectory.types import GenerationInput
 
 __all__ = [
@@ -223,21 +224,6 @@ def fit_max_tokens(prompt_len: int, sampling: SamplingConfig, max_model_len: int
     if room <= 0:
         raise ContextLengthError(prompt_tokens=prompt_len, max_model_len=max_model_len)
     return sampling if sampling.max_tokens <= room else sampling.with_max_tokens(room)
-
-
-def model_sub_configs(config: Any) -> list[Any]:
-    """``config`` and the sub-configs that carry a VLM's token ids: its ``text_config``, and a
-    ``thinker_config`` with its own ``text_config`` (a whole Qwen2.5-Omni checkpoint, as vLLM
-    serves it, keeps its placeholder ids on the thinker's config)."""
-    out: list[Any] = []
-    for cfg in (config, getattr(config, "thinker_config", None)):
-        if cfg is None:
-            continue
-        out.append(cfg)
-        text = getattr(cfg, "text_config", None)
-        if text is not None:
-            out.append(text)
-    return out
 
 
 def media_special_token_ids(config: Any) -> tuple[int, ...]:

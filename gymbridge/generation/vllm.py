@@ -200,7 +200,7 @@ def _worker_world_rank() -> int:
 def placeholder_token_ids(hf_config: Any) -> dict[str, int]:
     """Modality -> the placeholder id its processor expands (the model family's
     :meth:`~gymbridge.families.ModelFamily.placeholder_ids`: ``image_token_id`` / ``*_token_index``,
-    on any of :func:`~gymbridge.generation.types.model_sub_configs`)."""
+    on any of :func:`~gymbridge.hf_config.model_sub_configs`)."""
     from gymbridge.families import family_of
 
     return family_of(hf_config).placeholder_ids(hf_config)

@@ -8,9 +8,9 @@ cache keeps, per content key (:func:`gymbridge.media.hashing.content_key`):
   (``.../media/<key>``), so a reference is fetched once (the fetch verifies the bytes
   against the key; an item whose bytes do not hash to the key is never cached);
 * ``decoded:<modality>``: the decoded medium (PIL image, frames, waveform);
-* ``processed:<modality>``: the sub-processor's tensors
-  (:func:`gymbridge.tensors.processor.process_decoded`), what both the placeholder
-  expansion and the model's forward consume.
+* ``processed:<modality>``: the sub-processor's tensors, what both the placeholder
+  expansion and the model's forward consume (the tensor layer fills it:
+  :func:`gymbridge.tensors.processor.process_cached`).
 
 Invariants:
 
@@ -140,14 +140,6 @@ class MediaCache:
             (kind, _), (_, size) = self._entries.popitem(last=False)
             self._bytes -= size
             self._kind(kind).evictions += 1
-
-    def processed(self, modality: str, sub: Any, key: str, decoded: Callable[[], Any]) -> dict[str, Any]:
-        """The tensors of ``sub`` on the medium ``key`` (``decoded()`` gives it when not cached)."""
-        from gymbridge.tensors.processor import process_decoded
-
-        return self.get_or_make(
-            f"processed:{modality}", key, lambda: process_decoded(modality, sub, decoded())
-        )
 
     def stats(self) -> dict[str, Any]:
         """``{max_bytes, bytes, entries, kinds: {kind: {hits, misses, evictions, bytes_computed}}}``."""

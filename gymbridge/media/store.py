@@ -55,6 +55,7 @@ from urllib.parse import urlsplit
 from gymbridge.errors import MediaError, MediaFetchError, MediaPolicyError
 from gymbridge.media.hashing import content_key
 from gymbridge.media.refs import sniff_mime
+from gymbridge.serving import bind_error, check_port
 
 __all__ = ["MEDIA_PATH_PREFIX", "MediaServer", "MediaStore", "is_content_key", "parse_media_ref"]
 
@@ -378,8 +379,6 @@ class MediaServer:
         """Listen (``port=0``: a free port) and serve in a daemon thread; return :attr:`base_url`."""
         if self._server is not None:
             return self.base_url
-        from gymbridge.server._base import bind_error, check_port
-
         check_port(self.port)
         try:
             server = _Server((self.host, self.port), self.store, self.allowed_peers)

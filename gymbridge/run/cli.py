@@ -176,6 +176,6 @@ def _smoke_params(env: str) -> dict[str, Any]:
 
     if is_class_ref(env):
         return {}
-    from gymbridge.cli import load_example_environments
+    from gymbridge.cli_common import load_example_environments
 
     return dict(load_example_environments().get_env(env).smoke_params)

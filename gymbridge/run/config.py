@@ -110,8 +110,8 @@ class ModelConfig(StrictModel):
     @field_validator("name")
     @classmethod
     def _tiny_or_a_directory(cls, value: str) -> str:
+        from gymbridge.models.tiny_families import TINY_FAMILIES, TINY_PREFIX
         from gymbridge.run.model import TINY_MODELS, is_tiny_name, tiny_family_of
-        from gymbridge.testing.families import TINY_FAMILIES, TINY_PREFIX
 
         if is_tiny_name(value):
             try:

@@ -2,7 +2,7 @@
 
 ``model.name`` is a tiny model (random weights from a small config of the real architecture,
 offline, in seconds): ``tiny:FAMILY`` for each family of
-:data:`~gymbridge.testing.families.TINY_FAMILIES` (docs/models.md), or one of :data:`TINY_MODELS`
+:data:`~gymbridge.models.tiny_families.TINY_FAMILIES` (docs/models.md), or one of :data:`TINY_MODELS`
 (``tiny-qwen2-vl`` = ``tiny:qwen2_vl``, ``tiny-qwen2.5-omni`` = ``tiny:qwen2_5_omni``; ``tiny``
 picks the Qwen2.5-Omni thinker when the environment takes audio or video, else ``tiny:qwen2_vl``);
 or a local Hugging Face model directory, loaded with
@@ -52,7 +52,7 @@ def tiny_family_of(name: str, modalities: tuple[str, ...] = ()) -> str | None:
 
     An unknown ``tiny:FAMILY`` is a :class:`ConfigError` listing the families.
     """
-    from gymbridge.testing.families import parse_tiny_spec
+    from gymbridge.models.tiny_families import parse_tiny_spec
 
     if name == "tiny":
         return "qwen2_5_omni" if {"video", "audio"} & set(modalities) else "qwen2_vl"
@@ -86,7 +86,7 @@ def pick_model(name: str, seed: int, modalities: tuple[str, ...], backend: str =
     from gymbridge.trainer.models import tiny_omni_policy, tiny_policy
 
     if family == "qwen2_5_omni":
-        from gymbridge.testing.tiny_omni import build_tiny_omni
+        from gymbridge.models.tiny_omni import build_tiny_omni
 
         omni = build_tiny_omni(seed)
         return RunModel(
@@ -98,7 +98,7 @@ def pick_model(name: str, seed: int, modalities: tuple[str, ...], backend: str =
             tiny_omni_policy,
             "--tiny-omni",
         )
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     vlm = build_tiny_vlm(seed)
     return RunModel(
@@ -116,7 +116,7 @@ def _tiny_family_model(family: str, seed: int) -> RunModel:
     """The tiny model of ``family``: a private trainable copy of it, every placeholder id it has
     (a rollout must never generate one), a picklable policy factory, and the
     ``gymbridge model serve --model tiny:FAMILY`` flags of the same model (``placement: process``)."""
-    from gymbridge.testing.families import TINY_PREFIX, tiny_family_policy, tiny_model
+    from gymbridge.models.tiny_families import TINY_PREFIX, tiny_family_policy, tiny_model
 
     tiny = tiny_model(family, seed)
     return RunModel(

@@ -154,7 +154,7 @@ async def start_generator(
     url: str | None = None
     server = None
     if serve:
-        from gymbridge.bridge import PromptSeededGenerator
+        from gymbridge.generation.seeding import PromptSeededGenerator
         from gymbridge.generation.server import ModelServer, ModelServerConfig
         from gymbridge.media import MediaPolicy
 

@@ -71,7 +71,7 @@ class UserEnv:
 def resolve_env(env: str) -> Any:
     """``env``'s spec: an example / registered environment by name; a :class:`UserEnv` for ``mod:Class``."""
     if not is_class_ref(env):
-        from gymbridge.cli import load_example_environments
+        from gymbridge.cli_common import load_example_environments
 
         return load_example_environments().get_env(env)
     from gymbridge.server import ResourcesServer

@@ -14,7 +14,7 @@ from gymbridge.server.cli import add_agent_arguments
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gymbridge.cli import run_command
+    from gymbridge.cli_common import run_command
 
     parser = argparse.ArgumentParser(prog="python -m gymbridge.server", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

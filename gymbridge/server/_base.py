@@ -35,16 +35,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import gc
 import hashlib
 import hmac
 import logging
 import re
 import secrets
-import signal
-import socket
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -53,8 +49,16 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gymbridge.errors import EnvFaultError, EnvSessionLostError, ProtocolError, ServeError
+from gymbridge.errors import EnvFaultError, EnvSessionLostError, ProtocolError
 from gymbridge.limits import loads_json
+from gymbridge.serving import (
+    MAX_PORT,
+    bind_error,
+    check_port,
+    free_port,
+    probe_port,
+    serve_until_stopped,
+)
 
 __all__ = [
     "ERROR_HEADER",
@@ -79,9 +83,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-
-MAX_PORT = 65535
-"""The largest TCP port number."""
 
 MAX_BODY_BYTES = 256 * 1024 * 1024
 """Request body cap: verify payloads carry every turn's images as data URLs."""
@@ -425,13 +426,6 @@ class GymServer:
 
 
 # ------------------------------------------------------------------ running
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host`` (racy by nature; prefer ``port=0``)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 @dataclass
 class RunningServer:
     """A server started in the current event loop; ``await stop()`` ends it."""
@@ -449,48 +443,6 @@ class RunningServer:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def check_port(port: int) -> int:
-    """``port`` when it is a TCP port number (0 = any free port), else :class:`ServeError`."""
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
-        raise ServeError(f"port {port!r} is out of range: give 0..{MAX_PORT} (0 picks a free port)")
-    return port
-
-
-def bind_error(host: str, port: int, exc: OSError) -> ServeError:
-    """The :class:`ServeError` for a failed bind of ``host:port``: one line saying why."""
-    if exc.errno == errno.EADDRINUSE:
-        reason = "the address is already in use (another server is listening there; pick another --port)"
-    elif exc.errno == errno.EACCES:
-        reason = "permission denied (ports below 1024 need privileges)"
-    elif exc.errno == errno.EADDRNOTAVAIL:
-        reason = "the address is not available on this machine (check --host)"
-    else:
-        reason = exc.strerror or str(exc)
-    return ServeError(f"cannot listen on {host}:{port}: {reason}", host=host, port=port)
-
-
-def probe_port(host: str, port: int) -> None:
-    """Fail fast, before any slow set-up, when ``host:port`` cannot be bound now (:class:`ServeError`).
-
-    Racy by nature (the real bind decides); it only lets a CLI refuse a taken port before it
-    loads a model. Port 0 always passes.
-    """
-    check_port(port)
-    if port == 0:
-        return
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise ServeError(f"cannot listen on {host}:{port}: {exc}", host=host, port=port) from exc
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(address)
-        except OSError as exc:
-            raise bind_error(host, port, exc) from exc
 
 
 async def start_server(
@@ -515,31 +467,6 @@ async def start_server(
         raise bind_error(host, port, exc) from exc
     bound_port = int(runner.addresses[0][1])
     return RunningServer(url=f"http://{host}:{bound_port}", host=host, port=bound_port, _runner=runner)
-
-
-async def serve_until_stopped(
-    start: Callable[[], Awaitable[Any]],
-    stop: Callable[[], Awaitable[None]],
-    announce: Callable[[], None] | None = None,
-) -> None:
-    """Run ``start()`` (which binds), then ``announce()``, then wait for SIGINT / SIGTERM; then ``stop()``.
-
-    The one serving loop of every CLI server (environment, agent, model): nothing is announced
-    before the port is bound, and a failed bind (:class:`ServeError`) propagates with nothing
-    printed.
-    """
-    await start()
-    try:
-        if announce is not None:
-            announce()
-        stopped = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError):
-                loop.add_signal_handler(sig, stopped.set)
-        await stopped.wait()
-    finally:
-        await stop()
 
 
 SERVER_GC_GEN0_THRESHOLD = 20_000

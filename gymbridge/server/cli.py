@@ -42,7 +42,7 @@ def _positive_seconds(text: str) -> float:
 
 def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
     """The agent's flags, each with help text (shared by ``gymbridge agent serve`` and ``python -m``)."""
-    from gymbridge.cli import DEFAULT_AGENT_PORT, add_address_arguments
+    from gymbridge.cli_common import DEFAULT_AGENT_PORT, add_address_arguments
 
     parser.add_argument(
         "--resources-url", type=_url, required=True, help="base URL of the environment (resources server)"

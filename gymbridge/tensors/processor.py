@@ -42,14 +42,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from gymbridge.errors import MediaDecodeError, MediaError
+from gymbridge.families import (
+    audio_output_length,
+    family_of,
+    num_placeholders,
+    processor_only_keys,
+    sub_processors,
+)
 from gymbridge.tensors.packed import derive_provenance
+
+if TYPE_CHECKING:
+    from gymbridge.media.cache import MediaCache
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +74,7 @@ __all__ = [
     "forward_media_kwargs",
     "mono_audio_at",
     "num_placeholders",
+    "process_cached",
     "process_decoded",
     "sub_processors",
 ]
@@ -143,37 +154,6 @@ class ProcessorStats:
     per_modality: dict[str, int] = field(default_factory=dict)
 
 
-_GRID_KEYS = {"image": "image_grid_thw", "video": "video_grid_thw"}
-
-
-def audio_output_length(feature_frames: int) -> int:
-    """Audio placeholder tokens for ``feature_frames`` valid mel frames (Qwen2-Audio / Qwen2.5-Omni).
-
-    The encoder's conv stem halves the frames (stride 2), then a stride-2 pooling halves them again.
-    """
-    after_conv = (feature_frames - 1) // 2 + 1
-    return (after_conv - 2) // 2 + 1
-
-
-def _merge_size(sub: Any) -> int:
-    return int(getattr(sub, "merge_size", 1) or 1)
-
-
-def num_placeholders(modality: str, outputs: dict[str, torch.Tensor], sub: Any) -> int | None:
-    """Placeholder tokens one processed medium occupies (see the module docstring), or ``None``."""
-    grid_key = _GRID_KEYS.get(modality)
-    if grid_key is not None and grid_key in outputs:
-        grid = outputs[grid_key].to(torch.int64)
-        return int(grid.prod(dim=-1).sum()) // (_merge_size(sub) ** 2)
-    if modality == "audio" and "feature_attention_mask" in outputs:
-        frames = outputs["feature_attention_mask"].to(torch.int64).sum(dim=-1)
-        custom = getattr(sub, "num_audio_tokens", None)
-        if callable(custom):
-            return int(sum(int(custom(int(f))) for f in frames.tolist()))
-        return int(sum(audio_output_length(int(f)) for f in frames.tolist()))
-    return None
-
-
 def mono_audio_at(wave: Any, rate: int, target: int | None) -> Any:
     """``wave`` (``[N]`` or ``[N, C]`` float) as mono float32 ``[N']`` at ``target`` Hz (PyAV's resampler)."""
     import numpy as np
@@ -215,8 +195,6 @@ def process_decoded(modality: str, sub: Any, decoded: Any) -> dict[str, torch.Te
         )
     else:
         raise ValueError(f"unknown modality {modality!r}")
-    from gymbridge.families import processor_only_keys
-
     dropped = processor_only_keys()
     outputs: dict[str, torch.Tensor] = {}
     for out_key, value in feats.items():
@@ -233,6 +211,14 @@ def process_decoded(modality: str, sub: Any, decoded: Any) -> dict[str, torch.Te
         grids = outputs["video_grid_thw"].shape[0]
         outputs["video_second_per_grid"] = torch.full((grids,), temporal / fps, dtype=torch.float32)
     return outputs
+
+
+def process_cached(
+    cache: MediaCache, modality: str, sub: Any, key: str, decoded: Callable[[], Any]
+) -> dict[str, torch.Tensor]:
+    """:func:`process_decoded` of the medium ``key`` through ``cache`` (its ``processed:<modality>``
+    entries): computed once per content key, ``decoded()`` called only on a miss."""
+    return cache.get_or_make(f"processed:{modality}", key, lambda: process_decoded(modality, sub, decoded()))
 
 
 def forward_media_kwargs(
@@ -280,23 +266,8 @@ def _config_of(sub: Any) -> str:
     return json.dumps(cfg, sort_keys=True, default=str)
 
 
-def sub_processors(processor: Any) -> dict[str, Any]:
-    """Modality -> the part of a Hugging Face ``processor`` that handles it.
-
-    ``image_processor`` (or the processor itself when it is a bare image processor),
-    ``video_processor`` and ``feature_extractor`` (audio); a modality it lacks is absent.
-    """
-    subs: dict[str, Any] = {}
-    image_proc = getattr(processor, "image_processor", None)
-    if image_proc is None and "pixel_values" in getattr(processor, "model_input_names", ()):
-        image_proc = processor  # a bare image processor
-    if image_proc is not None:
-        subs["image"] = image_proc
-    if (video_proc := getattr(processor, "video_processor", None)) is not None:
-        subs["video"] = video_proc
-    if (audio_proc := getattr(processor, "feature_extractor", None)) is not None:
-        subs["audio"] = audio_proc
-    return subs
+def _merge_size(sub: Any) -> int:
+    return int(getattr(sub, "merge_size", 1) or 1)
 
 
 class MediaProcessor:
@@ -329,8 +300,6 @@ class MediaProcessor:
         for modality, sub in self._subs.items():
             text = f"{base}|{modality}|{type(sub).__qualname__}|{_config_of(sub)}"
             self._spec[modality] = hashlib.sha256(text.encode()).hexdigest()[:24]
-        from gymbridge.families import family_of
-
         self.family = family_of(processor)
         found = self.family.processor_placeholder_ids(processor)
         self.image_token_id = image_token_id if image_token_id is not None else found.get("image")

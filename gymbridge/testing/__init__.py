@@ -1,5 +1,7 @@
-"""Test doubles and tiny offline models shared by the tests, launchers and benchmarks.
+"""Test doubles shared by the tests, launchers and benchmarks: a scripted model server, a fault
+proxy, the TRL format warm-up. The library never imports this package.
 
-Nothing here downloads anything: every model is built from a small config with
-random weights and a tokenizer trained in code.
+The tiny offline models live in :mod:`gymbridge.models` (a product feature: ``smoke run``,
+``--model tiny:FAMILY``); ``gymbridge.testing.tiny_vlm``, ``.tiny_omni`` and ``.families`` re-export
+them for the tests. Nothing here downloads anything.
 """

@@ -14,14 +14,14 @@ __all__ = ["from_config", "tiny_omni_policy", "tiny_policy"]
 
 def tiny_policy(seed: int = 0) -> Any:
     """A private, trainable copy of the tiny offline Qwen2-VL (``build_tiny_vlm`` is cached and shared)."""
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     return copy.deepcopy(build_tiny_vlm(seed).model)
 
 
 def tiny_omni_policy(seed: int = 0) -> Any:
     """A private, trainable copy of the tiny offline Qwen2.5-Omni thinker (image, video and audio)."""
-    from gymbridge.testing.tiny_omni import build_tiny_omni
+    from gymbridge.models.tiny_omni import build_tiny_omni
 
     return copy.deepcopy(build_tiny_omni(seed).model)
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from PIL import Image
 
-from gymbridge.testing.tiny_vlm import TinyVLM
+from gymbridge.models.tiny_vlm import TinyVLM
 
 TEXT = [40, 41, 42, 43]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 
 
 @pytest.fixture

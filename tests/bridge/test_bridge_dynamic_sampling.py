@@ -10,8 +10,8 @@ from bridge_helpers import FakeAgent, make_rows
 
 from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts
 from gymbridge.client import GymClient
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 
 G = 2
 

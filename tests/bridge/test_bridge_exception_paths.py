@@ -17,8 +17,8 @@ from bridge_helpers import FakeAgent, make_rows
 
 from gymbridge.bridge import BridgeConfig, BridgeIterator, GymRollouts, RolloutRecord
 from gymbridge.client import GymClient
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM
 
 GROUP = 2
 

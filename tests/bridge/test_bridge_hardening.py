@@ -15,8 +15,8 @@ from bridge_helpers import FakeAgent, make_rows
 from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts, RolloutRecord
 from gymbridge.client import GymClient
 from gymbridge.limits import MAX_JSON_DEPTH
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 
 
 def accounted(it: BridgeIterator, yielded: set[int]) -> None:

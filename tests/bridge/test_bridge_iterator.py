@@ -12,8 +12,8 @@ from bridge_helpers import FakeAgent, make_rows
 from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
 from gymbridge.metrics import PayloadMeter
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trajectory import Trajectory
 
 G = 4

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 
 from gymbridge.bridge import BridgeConfig, BridgeIterator, BridgeStalledError, GymRollouts
 from gymbridge.client import GymClient
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 
 OUTCOMES = st.sampled_from([0.0, 1.0, 0.5, 400, 503, "bad_tokens", "sampled_pad"])
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gymbridge.bridge import PromptSeededGenerator, ShapingConfig, TokenRateShaping, rollout_seed
 from gymbridge.bridge.sources import NativeRollouts
 from gymbridge.generation.types import Generation, SamplingConfig
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.trajectory.types import GenerationInput, Trajectory, Turn
 
 

@@ -30,8 +30,8 @@ from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
 from gymbridge.generation.types import SamplingConfig
 from gymbridge.media import encode_data_url
+from gymbridge.models.tiny_families import TinyModel, tiny_model
 from gymbridge.server import ResourcesServer, Session, ToolOutput, VerifyResult, image_part, tool, video_part
-from gymbridge.testing.families import TinyModel, tiny_model
 from gymbridge.trajectory import Trajectory, from_gym_result
 from gymbridge.trajectory.types import GenerationInput
 

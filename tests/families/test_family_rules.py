@@ -24,8 +24,8 @@ from gymbridge.families import GENERIC, Gemma3, InternVL, QwenOmni, QwenVL, fami
 from gymbridge.generation.chat import ChatCodec, ChatMessage
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_families import tiny_model
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.families import tiny_model
 from gymbridge.trainer import packing
 from gymbridge.trainer.grpo import token_logprobs
 

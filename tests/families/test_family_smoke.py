@@ -18,7 +18,7 @@ import pytest
 
 from gymbridge.cli import main
 from gymbridge.errors import ConfigError
-from gymbridge.testing.families import TINY_FAMILIES, parse_tiny_spec
+from gymbridge.models.tiny_families import TINY_FAMILIES, parse_tiny_spec
 
 pytestmark = pytest.mark.integration
 
@@ -111,8 +111,8 @@ def test_model_serve_takes_a_tiny_family_and_answers_with_its_image_expansion(tm
     from family_helpers import png
 
     from gymbridge.media import encode_data_url
+    from gymbridge.models.tiny_families import tiny_model
     from gymbridge.run.generator_process import start_model_server_process, tiny_server_command
-    from gymbridge.testing.families import tiny_model
 
     command = tiny_server_command(
         seed=0,

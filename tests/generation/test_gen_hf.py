@@ -198,7 +198,7 @@ async def test_regression_from_pretrained_finds_omni_image_placeholder(
     A saved model whose tokenizer spells the image placeholder ``<|IMAGE|>`` (at the id its config
     names, as Qwen2.5-Omni's does) loaded as text-only: every image prompt was refused.
     """
-    from gymbridge.testing.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_tokenizer
+    from gymbridge.models.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_tokenizer
 
     omni_spelling = build_tiny_tokenizer([("<|IMAGE|>" if t == IMAGE_PAD else t) for t in SPECIAL_TOKENS])
     omni_spelling.chat_template = tiny.tokenizer.chat_template.replace(IMAGE_PAD, "<|IMAGE|>")
@@ -336,7 +336,7 @@ async def test_seeded_calls_share_a_batch_in_a_row_seeded_backend() -> None:
 async def test_prompt_seeded_generator_batches_a_row_seeded_backend(tiny_gen: HFGenerator) -> None:
     """``PromptSeededGenerator`` (the reproducible Gym path) hands a row-seeded backend the whole call:
     one ``generate_rows`` call, the same samples as one row per call."""
-    from gymbridge.bridge.shaping import PromptSeededGenerator
+    from gymbridge.generation.seeding import PromptSeededGenerator
 
     inputs = [make_input(tiny_gen, f"q{i % 2}", [(200 * (i % 2), 40, 90)]) for i in range(8)]
     sampling = SamplingConfig(temperature=1.0, max_tokens=5)

@@ -35,9 +35,9 @@ from gymbridge.integrations.trl import (
     tool_method,
     trl_rows,
 )
+from gymbridge.models.tiny_vlm import build_tiny_tokenizer, tiny_hf_processor
 from gymbridge.server import VerifyResult, audio_part
 from gymbridge.testing.fault_proxy import Fault, FaultProxy
-from gymbridge.testing.tiny_vlm import build_tiny_tokenizer, tiny_hf_processor
 from gymbridge_envs.color_pick.data import COLORS, make_row
 from gymbridge_envs.color_pick.server import ColorPickServer
 from gymbridge_envs.zoom_read.server import ZoomReadServer

@@ -14,7 +14,7 @@ import pytest
 
 from gymbridge.errors import UntrainableRolloutError
 from gymbridge.integrations.verl import _runs, agent_loop_fields, check_processor, verl_rows
-from gymbridge.testing.tiny_vlm import IMAGE_PAD, build_tiny_tokenizer
+from gymbridge.models.tiny_vlm import IMAGE_PAD, build_tiny_tokenizer
 from gymbridge_envs.color_pick.data import COLORS, make_row
 
 TOK = build_tiny_tokenizer()
@@ -150,7 +150,7 @@ def test_verl_rows_keep_the_gym_row_and_the_text_prompt() -> None:
 
 def test_check_processor_refuses_what_verl_would_train_text_only() -> None:
     from gymbridge.errors import IntegrationError
-    from gymbridge.testing.tiny_vlm import TinyImageProcessor
+    from gymbridge.models.tiny_vlm import TinyImageProcessor
 
     class GridProcessor:  # a Qwen-style processor verl did not bind get_rope_index to
         image_processor = TinyImageProcessor.build()

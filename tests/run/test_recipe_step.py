@@ -22,11 +22,11 @@ import torch
 
 from gymbridge.bridge import BridgeConfig, BridgeIterator, NativeRollouts
 from gymbridge.generation.hf import HFGenerator
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.run import ConsoleCallback, GRPORun, MetricsFileCallback, RunConfig, RunDir, StepReport
 from gymbridge.run.callbacks import step_line
 from gymbridge.run.model import RunModel
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GRPOTrainer, InProcessPublisher, tiny_policy
 
 Reward = Callable[[str], float]

@@ -21,9 +21,9 @@ from run_helpers import quiet_train, run_config
 
 from gymbridge.errors import ConfigError
 from gymbridge.generation.types import media_special_token_ids
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.run.placement import GeneratorConfig, start_generator
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, tiny_policy, token_logprobs
 from gymbridge.trajectory.types import Trajectory, Turn
 

@@ -188,7 +188,7 @@ def test_a_model_that_is_neither_tiny_nor_a_directory_is_an_error(tmp_path: Path
 
 def test_model_path_trains_like_the_same_weights_in_memory(tmp_path: Path) -> None:
     """``--model PATH``: the tiny VLM saved to a directory trains step for step like ``--model tiny``."""
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     tiny = build_tiny_vlm(0)
     model_dir = tmp_path / "model"

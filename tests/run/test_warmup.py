@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from gymbridge.generation.hf import HFGenerator
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.run.warmup import WarmupConfig, warmup_for_env
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge_envs.color_pick.data import LOOK_CALL
 from gymbridge_envs.registry import get_env
 

@@ -7,7 +7,7 @@ import io
 from PIL import Image
 
 from gymbridge.media import MediaItem
-from gymbridge.testing.tiny_vlm import TinyVLM
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.trajectory.types import Trajectory, Turn
 
 TEXT = [40, 41, 42, 43]  # ordinary (non-special) token ids of the tiny tokenizer

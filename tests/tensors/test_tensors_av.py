@@ -21,9 +21,9 @@ from omni_helpers import mp4_bytes, png_bytes, wav_bytes  # noqa: E402
 
 from gymbridge.errors import ProtocolError, TrajectoryError  # noqa: E402
 from gymbridge.media import MediaItem, encode_data_url, load_media  # noqa: E402
+from gymbridge.models.tiny_omni import TinyOmni, TinyVideoProcessor  # noqa: E402
 from gymbridge.tensors import MediaProcessor, TrainBatch  # noqa: E402
 from gymbridge.tensors.processor import audio_output_length, forward_media_kwargs  # noqa: E402
-from gymbridge.testing.tiny_omni import TinyOmni, TinyVideoProcessor  # noqa: E402
 from gymbridge.trajectory import Trajectory, Turn  # noqa: E402
 
 

@@ -12,8 +12,8 @@ from tensor_helpers import image, mixed_batch, png_bytes, traj, turn
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor, TrainBatch, group_advantages
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trajectory.types import Trajectory, Turn
 
 G = 4

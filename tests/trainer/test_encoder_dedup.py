@@ -25,15 +25,15 @@ from PIL import Image
 from trainer_helpers import one_turn
 
 from gymbridge.media import MediaItem
-from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch
-from gymbridge.testing.tiny_omni import build_tiny_omni
-from gymbridge.testing.tiny_vlm import (
+from gymbridge.models.tiny_omni import build_tiny_omni
+from gymbridge.models.tiny_vlm import (
     AUDIO_END,
     AUDIO_START,
     VISION_END,
     VISION_START,
     build_tiny_vlm,
 )
+from gymbridge.tensors import MediaProcessor, PackedTensor, TrainBatch
 from gymbridge.trainer.encoder import encoder_plan, unique_items
 from gymbridge.trainer.grpo import GradientResult, GRPOConfig, GRPOTrainer, token_logprobs
 

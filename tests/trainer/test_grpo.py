@@ -9,8 +9,8 @@ import torch
 from trainer_helpers import make_batch, with_current_logprobs
 
 from gymbridge.errors import TrajectoryError
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, grpo_token_loss, tiny_policy, token_logprobs
 
 

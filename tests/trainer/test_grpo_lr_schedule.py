@@ -18,8 +18,8 @@ from trainer_helpers import make_batch, with_current_logprobs
 
 from gymbridge.cli import main as cli_main
 from gymbridge.errors import ConfigError
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.run import load_run_config
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy
 from gymbridge.trainer.checkpoint import load_checkpoint, save_checkpoint
 

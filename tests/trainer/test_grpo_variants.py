@@ -15,8 +15,8 @@ from trainer_helpers import image, trajectory, with_current_logprobs
 from gymbridge.errors import CheckpointError, SamplingMismatchError
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.types import SamplingConfig
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import (
     GRPOConfig,
     GRPOTrainer,

@@ -18,9 +18,9 @@ import torch
 from gymbridge.bridge import BridgeConfig, BridgeIterator, NativeRollouts
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.server import start_server
 from gymbridge.tensors import MediaProcessor
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy, token_logprobs
 
 pytestmark = pytest.mark.integration

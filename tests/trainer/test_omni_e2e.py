@@ -22,7 +22,7 @@ from omni_helpers import MixedMediaServer, call_tokens, mixed_row, trainer_max_l
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.scripted import ScriptedGenerator
 from gymbridge.generation.types import SamplingConfig
-from gymbridge.testing.tiny_omni import TinyOmni
+from gymbridge.models.tiny_omni import TinyOmni
 from gymbridge.trajectory import Trajectory, from_gym_result
 
 pytestmark = pytest.mark.integration

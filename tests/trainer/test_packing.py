@@ -16,9 +16,9 @@ from trainer_helpers import media_batch, with_current_logprobs
 
 from gymbridge.errors import ConfigError
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_omni import TinyOmni
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import TrainBatch
-from gymbridge.testing.tiny_omni import TinyOmni
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trainer import GradientResult, GRPOConfig, GRPOTrainer, packing, tiny_policy, token_logprobs
 from gymbridge.trainer.grpo import _forward_kwargs
 from gymbridge.trainer.models import tiny_omni_policy

@@ -19,8 +19,8 @@ import torch
 from trainer_helpers import make_batch, with_current_logprobs
 
 from gymbridge.metrics import PayloadMeter
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.tensors import TrainBatch
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer import (
     GRPOConfig,
     GRPOTrainer,

@@ -8,7 +8,7 @@ import torch
 from gymbridge.errors import WeightSyncError
 from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.types import SamplingConfig
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer.models import tiny_policy
 from gymbridge.trainer.weight_sync import InProcessPublisher, WeightPublisher
 from gymbridge.trajectory.types import GenerationInput

@@ -27,12 +27,12 @@ from gymbridge.generation.hf import HFGenerator
 from gymbridge.generation.server import ModelServer, ModelServerConfig
 from gymbridge.generation.types import SamplingConfig
 from gymbridge.generation.weights import plan_buckets
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.run.generator_process import (
     ModelServerProcess,
     start_model_server_process,
     tiny_server_command,
 )
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer.models import tiny_policy
 from gymbridge.trainer.weight_sync import DistributedPublisher
 from gymbridge.trajectory.types import GenerationInput

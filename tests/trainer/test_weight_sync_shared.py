@@ -24,7 +24,7 @@ from gymbridge.generation.shared_weights import (
     segment_offsets,
 )
 from gymbridge.generation.weights import TensorSpec, WeightReceiver, named_weights
-from gymbridge.testing.tiny_vlm import build_tiny_vlm
+from gymbridge.models.tiny_vlm import build_tiny_vlm
 from gymbridge.trainer.models import tiny_policy
 from gymbridge.trainer.weight_sync import DistributedPublisher, is_loopback_url
 

@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import MediaProcessor, TrainBatch
-from gymbridge.testing.tiny_vlm import TinyVLM
 from gymbridge.trajectory.types import Trajectory, Turn
 
 TEXT = [40, 41, 42, 43]

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gymbridge.media import MediaItem
+from gymbridge.models.tiny_vlm import build_tiny_tokenizer
 from gymbridge.server import check_env
-from gymbridge.testing.tiny_vlm import build_tiny_tokenizer
 from gymbridge_envs._testing import message, response, running
 from gymbridge_envs.side_pick.data import (
     SIDES,

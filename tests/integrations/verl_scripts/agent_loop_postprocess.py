@@ -26,7 +26,7 @@ from unittest import mock
 def _processor(tokenizer: Any, config: Any, class_name: str) -> Any:
     from verl.utils.tokenizer.tokenizer import hf_processor
 
-    from gymbridge.testing.tiny_vlm import TinyImageProcessor, tiny_hf_processor
+    from gymbridge.models.tiny_vlm import TinyImageProcessor, tiny_hf_processor
 
     base = type(tiny_hf_processor(tokenizer))
     stand_in = type(class_name, (base,), {})(
@@ -86,7 +86,7 @@ async def run(case: str) -> dict[str, Any]:
 
     from gymbridge.integrations._common import ServerThread
     from gymbridge.integrations.verl import GymAgentLoop, verl_rows
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
     from gymbridge_envs.color_pick.data import LOOK_CALL, make_row
     from gymbridge_envs.color_pick.server import ColorPickServer
 

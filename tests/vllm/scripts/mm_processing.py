@@ -106,7 +106,7 @@ def special_token_names(tokenizer_dir: Path, names: dict[str, str]) -> None:
 
 def tiny_video_pixels() -> dict[str, int]:
     """The frame area bounds of gymbridge's tiny video processor, in the real processor's terms."""
-    from gymbridge.testing.tiny_omni import TinyVideoProcessor
+    from gymbridge.models.tiny_omni import TinyVideoProcessor
 
     tiny = TinyVideoProcessor()
     return {"shortest_edge": tiny.min_pixels, "longest_edge": tiny.max_pixels}
@@ -125,7 +125,7 @@ def video_settings(image: Any) -> dict[str, Any]:
 def save_tiny_vlm(root: Path) -> tuple[Path, Any]:
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     tiny = build_tiny_vlm(0)
     out = root / "qwen2_vl"
@@ -150,8 +150,8 @@ def save_tiny_omni(root: Path) -> tuple[Path, Any]:
         Qwen2VLVideoProcessor,
     )
 
-    from gymbridge.testing import tiny_vlm
-    from gymbridge.testing.tiny_omni import build_tiny_omni, tiny_feature_extractor
+    from gymbridge.models import tiny_vlm
+    from gymbridge.models.tiny_omni import build_tiny_omni, tiny_feature_extractor
 
     tiny = build_tiny_omni(0)
     out = root / "qwen2_5_omni"
@@ -239,8 +239,8 @@ def sent_prompt(inp: Any, hf_config: Any, processor: Any) -> Any:
 
 def main() -> None:
     from gymbridge.generation.chat import ChatCodec
-    from gymbridge.testing.tiny_omni import TinyVideoProcessor
-    from gymbridge.testing.tiny_vlm import TinyVLMProcessor
+    from gymbridge.models.tiny_omni import TinyVideoProcessor
+    from gymbridge.models.tiny_vlm import TinyVLMProcessor
 
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:

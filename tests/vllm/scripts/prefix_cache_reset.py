@@ -29,7 +29,7 @@ def main() -> None:
     from vllm.v1.request import Request
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     block = 16
     with tempfile.TemporaryDirectory() as root:

@@ -90,8 +90,8 @@ def init_distributed() -> None:
 
 
 def main() -> None:
-    from gymbridge.testing.tiny_omni import build_tiny_omni
-    from gymbridge.testing.tiny_vlm import build_tiny_vlm
+    from gymbridge.models.tiny_omni import build_tiny_omni
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
 
     init_distributed()
     borrow_cpu_attention_selector()

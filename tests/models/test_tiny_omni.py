@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from gymbridge.testing.tiny_omni import TinyOmni, build_tiny_omni
-from gymbridge.testing.tiny_vlm import AUDIO_PAD, IMAGE_PAD, SPECIAL_TOKENS, VIDEO_PAD
+from gymbridge.models.tiny_omni import TinyOmni, build_tiny_omni
+from gymbridge.models.tiny_vlm import AUDIO_PAD, IMAGE_PAD, SPECIAL_TOKENS, VIDEO_PAD
 
 
 def test_config_ids_equal_the_tokenizers_and_the_vlm_ids_are_unchanged(tiny_omni: TinyOmni) -> None:

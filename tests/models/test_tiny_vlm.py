@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from gymbridge.testing.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_vlm
+from gymbridge.models.tiny_vlm import IMAGE_PAD, SPECIAL_TOKENS, build_tiny_vlm
 
 
 def _chat(tiny, n_images: int = 1) -> str:
@@ -138,7 +138,7 @@ def test_hf_processor_is_a_processor_mixin_that_expands_like_the_tiny_processor(
     """What TRL (``isinstance(.., ProcessorMixin)``) and verl (the class name) dispatch on."""
     from transformers import ProcessorMixin, Qwen2VLProcessor
 
-    from gymbridge.testing.tiny_vlm import tiny_hf_processor
+    from gymbridge.models.tiny_vlm import tiny_hf_processor
 
     tiny = build_tiny_vlm(0)
     hf = tiny_hf_processor(tiny.tokenizer)
