@@ -1,13 +1,23 @@
 """The tiny Qwen2-VL as TRL 1.16 sees it, and a supervised *format* warm-up for TRL's tool loop.
 
 A random-weight model never writes a tool call, so TRL's ``environment_factory`` path would only
-ever train answers. :func:`warm_up` teaches the tiny model the format first, with a few
-supervised AdamW steps over examples rendered exactly as TRL renders them: :func:`encode` (a
-prompt as ``processing_class.apply_chat_template`` renders it with the environment's tool
-methods, then a target) and :func:`encode_after_tool` (the next model call after a tool answer,
-its tokens appended as TRL's tool loop appends them). Used by the TRL adapter tests
-(``tests/integrations/test_trl_train.py``, ``tests/gym/test_trl_genuine_agent.py``) and by
-``examples/train_trl.py``. Needs ``gymbridge[trl]``; nothing is downloaded.
+ever train answers. :func:`warm_up` teaches the tiny model the format first, with supervised AdamW
+steps over examples rendered exactly as TRL renders them: :func:`encode` (a prompt as
+``processing_class.apply_chat_template`` renders it with the environment's tool methods, then a
+target) and :func:`encode_after_tool` (the next model call after a tool answer, its tokens appended
+as TRL's tool loop appends them). It trains until the format is learned, checked teacher-forced on
+the examples themselves, and raises :class:`~gymbridge.errors.TrainingError` naming what was not
+learned when its step cap is reached: the format holds by that check, not by a step count that
+happened to suffice on one machine's float kernels.
+
+Invariant: the warm-up teaches the format, never the answer. Examples that differ only in their
+target (either colour word after the same tool image) are alternatives; the check requires each
+to keep at least half its even share, and a caller that gives every image every word makes the
+even split the loss's optimum, so the choice is left near chance.
+
+Used by the TRL adapter tests (``tests/integrations/test_trl_train.py``,
+``tests/gym/test_trl_genuine_agent.py``) and by ``examples/train_trl.py``. Needs
+``gymbridge[trl]``; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import torch
 
 __all__ = [
     "TinyForTRL",
+    "WarmUp",
     "encode",
     "encode_after_tool",
     "one_torch_thread",
@@ -129,28 +140,108 @@ def encode_after_tool(
     }
 
 
-def warm_up(
-    tiny: TinyForTRL, phases: Sequence[tuple[Sequence[dict[str, Any]], int]], *, lr: float = 1e-2
-) -> float:
-    """Supervised phases ``[(encoded examples, steps)]``, one AdamW step over all examples per step.
+@dataclass(frozen=True)
+class WarmUp:
+    """What :func:`warm_up` took: ``steps`` AdamW steps, the last one's mean ``loss``."""
 
-    Returns the last step's mean loss. A phase of answers alone makes the 2-layer model forget the
-    call (both follow ``<|im_start|>assistant``), so end on a call-only phase.
+    steps: int
+    loss: float
+
+
+def warm_up(
+    tiny: TinyForTRL,
+    examples: Sequence[dict[str, Any]],
+    *,
+    lr: float = 5e-3,
+    min_prob: float = 0.9,
+    max_steps: int = 500,
+) -> WarmUp:
+    """Train on ``examples`` (one AdamW step over all of them per step) until the format is learned.
+
+    ``examples`` are :func:`encode` / :func:`encode_after_tool` batches (``[1, L]``). Learned means,
+    teacher-forced on every example: the product over its target positions of the probability on
+    the tokens the examples allow there is at least ``min_prob`` (a temperature-1 sample follows
+    the format with at least that probability), and where examples with the same tokens so far
+    allow several (alternatives, images aside: either colour word after one tool answer) each
+    holds at least half its even share of ``min_prob``. Checked on each step's own forward, before
+    its update (the tiny model has no dropout), so the model returned is the one that passed.
+    Raises :class:`~gymbridge.errors.TrainingError` naming each example, target token and
+    probability not learned when ``max_steps`` updates did not do it.
     """
+    from gymbridge.errors import TrainingError
+
+    allowed = _allowed_tokens(examples)
     optimizer = torch.optim.AdamW(tiny.model.parameters(), lr=lr)
+    misses: list[str] = []
     loss_value = float("nan")
-    for examples, steps in phases:
-        for _ in range(steps):
-            optimizer.zero_grad()
-            total = 0.0
-            for batch in examples:
-                loss = tiny.model(**batch).loss / len(examples)
+    for step in range(max_steps + 1):
+        optimizer.zero_grad()
+        misses, total = [], 0.0
+        for index, batch in enumerate(examples):
+            out = tiny.model(**batch)
+            loss = out.loss / len(examples)
+            if step < max_steps:
                 loss.backward()
-                total += float(loss.detach())
+            total += float(loss.detach())
+            miss = _miss(tiny, batch, out.logits.detach(), allowed, min_prob)
+            if miss is not None:
+                misses.append(f"example {index}: {miss}")
+        loss_value = total
+        if not misses:
+            optimizer.zero_grad(set_to_none=True)
+            return WarmUp(steps=step, loss=loss_value)
+        if step < max_steps:
             optimizer.step()
-            loss_value = total
     optimizer.zero_grad(set_to_none=True)
-    return loss_value
+    raise TrainingError(
+        f"format warm-up: not learned in {max_steps} steps (lr {lr}, min_prob {min_prob}, "
+        f"loss {loss_value:.3f}): " + "; ".join(misses)
+    )
+
+
+def _allowed_tokens(examples: Sequence[dict[str, Any]]) -> dict[tuple[int, ...], set[int]]:
+    """The target tokens the examples allow after each token prefix (images aside)."""
+    allowed: dict[tuple[int, ...], set[int]] = {}
+    for batch in examples:
+        ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+        for pos, label in enumerate(labels):
+            if label != -100:
+                allowed.setdefault(tuple(ids[:pos]), set()).add(label)
+    return allowed
+
+
+def _miss(
+    tiny: TinyForTRL,
+    batch: dict[str, Any],
+    logits: torch.Tensor,
+    allowed: dict[tuple[int, ...], set[int]],
+    min_prob: float,
+) -> str | None:
+    """Why ``batch`` (logits ``[1, L, V]``) fails :func:`warm_up`'s check, or ``None`` when it passes."""
+    ids, labels = batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    first_target = next(pos for pos, label in enumerate(labels) if label != -100)
+    on_path = 1.0
+    weakest: tuple[float, int, list[int], torch.Tensor] | None = None
+    for pos in range(first_target, len(ids)):
+        tokens = sorted(allowed[tuple(ids[:pos])])
+        probs = torch.softmax(logits[0, pos - 1].float(), dim=-1)[tokens]
+        mass = float(probs.sum())
+        floor = min_prob / (2 * len(tokens))
+        if len(tokens) > 1 and float(probs.min()) < floor:
+            where = _shares(tiny, pos - first_target, tokens, probs)
+            return f"{where}: an alternative under {floor:.3f}"
+        on_path *= mass
+        if weakest is None or mass < weakest[0]:
+            weakest = (mass, pos - first_target, tokens, probs)
+    if on_path < min_prob and weakest is not None:
+        return f"p(target) {on_path:.3f} < {min_prob}, weakest at {_shares(tiny, *weakest[1:])}"
+    return None
+
+
+def _shares(tiny: TinyForTRL, index: int, tokens: list[int], probs: torch.Tensor) -> str:
+    names = [tiny.processing_class.tokenizer.decode([t]) for t in tokens]
+    shares = ", ".join(f"{n!r} {float(p):.3f}" for n, p in zip(names, probs, strict=True))
+    return f"target token {index} ({shares})"
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def test_grpo_trains_through_genuine_simple_agent(
     green = [{"type": "image", "image": render("green", 56)}, {"type": "text", "text": question}]
     # the answer format only: either word after an image of a colour no row shows
     examples = [encode(tiny.processing_class, [{"role": "user", "content": green}], None, w) for w in COLORS]
-    warm_up(tiny, [(examples, 40)])
+    warm_up(tiny, examples)
     spy = ForwardSpy()
     before = vision_params(tiny.model)
     trainer, rollout_func = _trainer(tiny, rows, deployment.url("trl_agent"), tmp_path, spy)

@@ -3,9 +3,12 @@
 ``color_pick`` with ``reveal: tool``: the prompt holds no image; the ``look`` tool answers the
 row's colour as an image, so the answer can only come from a tool image. ``gym_environment``
 serves ``ColorPickServer`` on loopback, TRL's own tool loop calls ``look`` through the generated
-method, and every reward is the server's ``/verify``. After a short format warm-up (the call,
-then either colour word after an image of a third colour) two GRPO steps must carry every tool
-image into the training forward (as many images as look calls) and move the vision tower.
+method, and the server's ``/verify`` scores every rollout (logged, weight 0). After the format
+warm-up (``warm_up`` trains until the call and either colour word after an image of a third
+colour are learned, or raises) two GRPO steps must carry every tool image into the training
+forward (as many images as look calls) and move the vision tower. The trained reward alternates
+0, 1 within each group, so every group has reward variance by construction and the gradient
+cannot vanish on an unlucky draw of sampled answers.
 """
 
 from __future__ import annotations
@@ -76,19 +79,20 @@ def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Pat
         shown = [{"type": "text", "text": "The image:"}, {"type": "image", "image": render("blue", 56)}]
         looked = {"role": "tool", "name": "look", "content": shown}  # blue: a colour no row asks about
         answers = [encode_after_tool(tiny.processing_class, first, looked, word) for word in COLORS]
-        warm_up(tiny, [([first], 100), ([first, *answers], 30), ([first], 20)])  # p(call) ~0.9
+        warm_up(tiny, [first, *answers])  # p(call) >= 0.9, either word after the tool image
 
         spy = ForwardSpy()
         tool_images: list[int] = []
 
-        def count_tool_images(completions: list[Any], **_: Any) -> list[float]:
+        def alternating(completions: list[Any], **_: Any) -> list[float]:
+            """0, 1, 0, 1, ...: TRL hands a group's rollouts in a row, so each group holds both."""
             tool_images.append(_tool_images(completions))
-            return [0.0] * len(completions)
+            return [float(i % 2) for i in range(len(completions))]
 
         args = GRPOConfig(
             output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4,
             max_completion_length=96, max_steps=2, learning_rate=5e-3, temperature=0.7,
-            max_tool_calling_iterations=2, reward_weights=[1.0, 0.0], beta=0.0, logging_steps=1,
+            max_tool_calling_iterations=2, reward_weights=[0.0, 1.0], beta=0.0, logging_steps=1,
             report_to="none", use_cpu=True, bf16=False, gradient_checkpointing=False,
             save_strategy="no", dataloader_num_workers=0, seed=0,
         )  # fmt: skip
@@ -96,7 +100,7 @@ def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Pat
         trainer = spying_trainer(
             spy,
             model=tiny.model,
-            reward_funcs=[env.reward_func, count_tool_images],
+            reward_funcs=[env.reward_func, alternating],
             args=args,
             train_dataset=Dataset.from_list(trl_rows(rows)),
             processing_class=tiny.processing_class,
@@ -107,6 +111,8 @@ def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Pat
     logs = [h for h in trainer.state.log_history if "rewards/gym_verify/mean" in h]
     assert len(logs) == 2, trainer.state.log_history
     assert env.failures == []
+    assert all(0.0 <= h["rewards/gym_verify/mean"] <= 1.0 for h in logs), logs  # /verify scored them all
+    assert all(h["frac_reward_zero_std"] == 0.0 for h in logs), logs  # every group had a gradient
     assert sum(h["tools/call_frequency"] for h in logs) > 0, logs  # TRL parsed and ran the generated tool
     assert sum(tool_images) > 0
     # every tool image of a generation batch reached its training forward, and nothing else did
