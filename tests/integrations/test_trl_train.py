@@ -35,6 +35,7 @@ from _trl_support import (
     warm_up,
 )
 
+from gymbridge.errors import TrainingError
 from gymbridge.integrations.trl import gym_environment, trl_rows
 from gymbridge_envs.color_pick.data import generate, render
 from gymbridge_envs.color_pick.server import ColorPickServer
@@ -61,6 +62,29 @@ def _one_thread() -> Iterator[None]:
         yield
 
 
+def _format_examples(tiny: Any, env: Any, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ``look`` call, then either colour word after an image of blue, a colour no row asks about."""
+    probe = env()
+    tools = [getattr(probe, name) for name in sorted(env.tool_names)]
+    assert [t.__name__ for t in tools] == ["look"]
+    user = [{"role": "user", "content": rows[0]["responses_create_params"]["input"][0]["content"]}]
+    first = encode(tiny.processing_class, user, tools, LOOK_CALL)
+    shown = [{"type": "text", "text": "The image:"}, {"type": "image", "image": render("blue", 56)}]
+    looked = {"role": "tool", "name": "look", "content": shown}
+    return [first, *(encode_after_tool(tiny.processing_class, first, looked, word) for word in COLORS)]
+
+
+def test_regression_warm_up_stops_naming_what_was_not_learned() -> None:
+    """At its step cap the warm-up raises, naming example and token, instead of handing GRPO a
+    model that never calls the tool (a fixed step count sufficed on AVX2 kernels, not on AVX-512)."""
+    tiny = tiny_for_trl()
+    rows = list(generate(2, 0, colors=",".join(COLORS), reveal="tool"))
+    with gym_environment(ColorPickServer, processing_class=tiny.processing_class) as env:
+        examples = _format_examples(tiny, env, rows)
+    with pytest.raises(TrainingError, match=r"not learned in 2 steps.*example 0: p\(target\) 0\.0"):
+        warm_up(tiny, examples, max_steps=2)
+
+
 def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Path) -> None:
     import torch
     from datasets import Dataset
@@ -71,15 +95,7 @@ def test_grpo_trainer_trains_on_tool_images_from_a_gym_environment(tmp_path: Pat
     tiny = tiny_for_trl()
     rows = list(generate(8, 0, colors=",".join(COLORS), reveal="tool"))
     with gym_environment(ColorPickServer, processing_class=tiny.processing_class) as env:
-        probe = env()
-        tools = [getattr(probe, name) for name in sorted(env.tool_names)]
-        assert [t.__name__ for t in tools] == ["look"]
-        user = [{"role": "user", "content": rows[0]["responses_create_params"]["input"][0]["content"]}]
-        first = encode(tiny.processing_class, user, tools, LOOK_CALL)
-        shown = [{"type": "text", "text": "The image:"}, {"type": "image", "image": render("blue", 56)}]
-        looked = {"role": "tool", "name": "look", "content": shown}  # blue: a colour no row asks about
-        answers = [encode_after_tool(tiny.processing_class, first, looked, word) for word in COLORS]
-        warm_up(tiny, [first, *answers])  # p(call) >= 0.9, either word after the tool image
+        warm_up(tiny, _format_examples(tiny, env, rows))  # p(call) >= 0.9, either word after the image
 
         spy = ForwardSpy()
         tool_images: list[int] = []
