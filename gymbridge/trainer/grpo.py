@@ -1,25 +1,16 @@
-"""A reference GRPO step: teacher-forced logprobs, clipped-ratio policy gradient, one optimizer step.
+"""The GRPO step: :class:`GRPOConfig` (every variant), :class:`GRPOTrainer` (``prepare``,
+``compute_gradients``, ``apply_gradients``, ``step``) and what a step reports (:class:`StepMetrics`).
 
-A :class:`~gymbridge.tensors.TrainBatch` has ``B`` rows of ``L`` tokens. For row ``b`` and position
-``t >= 1`` the new logprob is ``log_softmax(logits[b, t-1] / T)[ids[b, t]]`` (``T`` the rollouts'
-temperature; over the rollouts' top-p nucleus and without the suppressed media tokens, as the
-generator sampled); the old one is ``batch.logprobs[b, t]``, the generator's. With ``ratio = exp(new
-- old)`` and the row's advantage ``A`` the per-token loss is ``-min(ratio * A, clip(ratio, 1 -
-eps_low, 1 + eps_high) * A)``, plus ``kl_coef * KL_t`` to a frozen reference, minus
-``entropy_coef * H_t`` (the policy's entropy at that token), under the batch's ``loss_mask``.
-Public pieces: :class:`GRPOConfig` (every variant: lr schedule, KL, entropy bonus, dual clip,
-``is_cap``, loss aggregation, top-p, ``mask_truncated``, packing), :class:`GRPOTrainer`
-(``prepare``, ``compute_gradients``, ``step``), :class:`StepMetrics`, :func:`token_logprobs`,
-:func:`skip_reason`.
+The trainer is split one idea per module: the objective as pure functions
+(:mod:`gymbridge.trainer.objective`: the clipped-ratio loss, KL estimators, aggregation), forward-input
+assembly and teacher-forced logprobs (:mod:`gymbridge.trainer.forward`), the step (here), publication
+(:mod:`gymbridge.trainer.weight_sync`) and checkpoints (:mod:`gymbridge.trainer.checkpoint`).
 
 Invariants:
 
 * gradients of a batch split into micro-batches or DP shards **sum** to the full-batch gradient:
   every part divides by the whole batch's normaliser (``total_loss_tokens`` / ``total_loss_rows``),
   and ``mask_truncated`` is applied before the split;
-* media reach the model only here, per micro-batch, right before the forward pass (encoded once per
-  unique item, :mod:`gymbridge.trainer.encoder`, or materialized), under the names its ``forward``
-  takes; no media key ever replaces the text ``input_ids`` / ``attention_mask``;
 * the reference policy is never updated; the model runs in eval mode, so the ratio is 1 while the
   weights are the generator's;
 * a batch with no loss token, or only zero advantages and no KL or entropy term, does not step
@@ -28,19 +19,17 @@ Invariants:
   ``ratio_mean`` is off 1 by more than ``ratio_tolerance``, before the optimizer moves; rows sampled
   with another ``top_p`` raise :class:`~gymbridge.errors.SamplingMismatchError` before any forward.
 
-The variants and their formulas: docs/grpo.md; off-policy correction (``is_cap``) and packing:
-docs/loop.md; the drift guard: docs/placement.md; suppressed media tokens: docs/generation.md.
+The variants and their formulas (learning-rate schedule, loss aggregation, top-p, dual clip): docs/grpo.md;
+off-policy correction (``is_cap``) and packing: docs/loop.md; the drift guard: docs/placement.md.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import inspect
 import logging
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -48,19 +37,22 @@ import torch
 from pydantic import Field, model_validator
 
 from gymbridge.config import StrictModel
-from gymbridge.errors import PolicyDriftError, SamplingMismatchError, TrajectoryError
-from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE, is_greedy, media_special_token_ids
-from gymbridge.trainer.encoder import (
-    EncoderStats,
-    encode_unique,
-    encoder_plan,
-    encoder_refs,
-    log_fallback_once,
+from gymbridge.errors import PolicyDriftError, SamplingMismatchError
+from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE, is_greedy
+from gymbridge.trainer.encoder import EncoderStats
+from gymbridge.trainer.forward import media_kwargs, scored_logprobs, token_logprobs
+from gymbridge.trainer.objective import (
+    KLEstimator,
+    LossAgg,
+    aggregate_loss,
+    grpo_token_loss,
+    kl_estimate,
+    loss_rows,
+    nucleus_logprobs,
 )
-from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs
+from gymbridge.trainer.packing import check_packable
 
 if TYPE_CHECKING:
-    from gymbridge.families import ModelFamily
     from gymbridge.tensors import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -86,16 +78,8 @@ __all__ = [
     "token_logprobs",
 ]
 
-
-LossAgg = Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"]
 LRSchedule = Literal["constant", "linear", "cosine"]
-KLEstimator = Literal["k1", "k3", "low_var_kl"]
 SkipReason = Literal["no_loss_tokens", "zero_advantage"]
-KL_LOG_RATIO_CLAMP = 20.0
-"""``|ref - new|`` bound inside the k3 estimator (``exp(20)`` ~ 5e8: large, never infinite)."""
-LOW_VAR_KL_CLAMP = 10.0
-"""``low_var_kl``: k3's value is clamped to ``[-10, 10]`` (verl's ``low_var_kl``; k3 >= 0, so only
-the upper bound acts: tokens with ``ref - new > 2.61`` or ``new - ref > 11.0``, module docstring)."""
 
 
 class GRPOConfig(StrictModel):
@@ -107,7 +91,7 @@ class GRPOConfig(StrictModel):
     random-weight smoke model trains at 2e-3 (``gymbridge/configs/smoke.yaml``)."""
     lr_warmup_steps: int = Field(0, ge=0)
     """Updates over which the learning rate rises linearly to ``lr`` (update ``k <= W`` uses
-    ``lr * k / W``; module docstring, *Learning-rate schedule*). 0: none."""
+    ``lr * k / W``; docs/grpo.md). 0: none."""
     lr_schedule: LRSchedule = "constant"
     """After the warm-up: ``constant``, or a ``linear`` / ``cosine`` decay from ``lr`` to
     ``lr_min_ratio * lr`` at update ``lr_decay_steps``."""
@@ -143,12 +127,12 @@ class GRPOConfig(StrictModel):
     ratio_tolerance: float | None = Field(1e-2, gt=0)
     """On-policy drift guard: the step fails when ``|ratio_mean - 1|`` exceeds this (``None``: off)."""
     is_cap: float | None = None
-    """Truncated importance weight cap ``C`` (module docstring; V-trace's ``rho_bar``): the unclipped
+    """Truncated importance weight cap ``C`` (docs/loop.md; V-trace's ``rho_bar``): the unclipped
     surrogate term uses ``min(ratio, C)``. ``None``: off. Must be ``>= 1 + clip_eps_high``."""
     clip_ratio_c: float | None = Field(None, gt=1.0, allow_inf_nan=False)
     """Dual clip ``c`` (verl's ``clip_ratio_c``, Ye et al. 2020, arXiv:1912.09729): for a negative
     advantage the per-token loss stops at ``c * |A|`` once the ratio passes ``c`` (no gradient beyond;
-    module docstring, *Dual clip*). ``None``: off. Must be > 1."""
+    docs/grpo.md, *Dual clip*). ``None``: off. Must be > 1."""
     encoder_dedup: bool = True
     """Run the media encoders once per unique item of a micro-batch and scatter their outputs to every
     reference (:mod:`gymbridge.trainer.encoder`; same loss and gradients as encoding every copy). A model
@@ -166,16 +150,16 @@ class GRPOConfig(StrictModel):
 
     top_p: float = Field(1.0, gt=0, le=1.0, allow_inf_nan=False)
     """The rollouts' nucleus (top-p) sampling: new logprobs are renormalised over the same nucleus
-    (module docstring, *Top-p*). Rows recording another ``top_p`` fail the step."""
+    (docs/grpo.md, *Top-p*). Rows recording another ``top_p`` fail the step."""
     kl_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight ``beta`` of the KL penalty to a frozen copy of the initial policy (0: none, no copy)."""
     kl_estimator: KLEstimator = "k3"
     """``k1``: ``new - ref``; ``k3``: ``exp(ref - new) - (ref - new) - 1``; ``low_var_kl``: k3 with
-    its value clamped to ``[-10, 10]`` as verl's (module docstring)."""
+    its value clamped to ``[-10, 10]`` as verl's (:mod:`gymbridge.trainer.objective`)."""
     kl_bias_correction: bool = False
     """Multiply the per-token KL term by the importance ratio ``exp(new - old)`` (differentiable), as
     TRL's ``use_bias_correction_kl``: the KL term's gradient becomes that of ``KL(pi_theta || pi_ref)``
-    under the behaviour policy's samples (module docstring). Only with ``kl_coef > 0``."""
+    under the behaviour policy's samples (docs/grpo.md). Only with ``kl_coef > 0``."""
     entropy_coef: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Weight of an entropy bonus (verl's ``entropy_coeff``): the per-token loss gets
     ``- entropy_coef * H_t``, ``H_t`` the entropy of the policy's next-token distribution at loss
@@ -184,7 +168,7 @@ class GRPOConfig(StrictModel):
     one answer, spread over every token of the vocabulary (docs/grpo.md, *Entropy bonus*, has what
     it did on the spatial task). 0: none (not computed)."""
     loss_agg: LossAgg = "token_mean"
-    """How per-token losses become the batch loss (module docstring, *Loss aggregation*)."""
+    """How per-token losses become the batch loss (docs/grpo.md, *Loss aggregation*)."""
     mask_truncated: bool = False
     """Zero the loss mask of rollouts that hit the token limit (``max_output_tokens``)."""
 
@@ -198,7 +182,7 @@ class GRPOConfig(StrictModel):
         return self
 
     def lr_at(self, update: int) -> float:
-        """The learning rate of optimizer update ``update`` (1 for the first; module docstring)."""
+        """The learning rate of optimizer update ``update`` (1 for the first; docs/grpo.md)."""
         if update < 1:
             raise ValueError(f"updates are counted from 1, got {update}")
         warm = self.lr_warmup_steps
@@ -268,7 +252,7 @@ class StepMetrics:
     truncated_masked: int = 0
     """Rows whose loss tokens ``mask_truncated`` removed (their rollout hit the token limit)."""
     top_p_outside_fraction: float = 0.0
-    """Loss tokens outside the trainer's top-p nucleus (kept with their own mass, module docstring)."""
+    """Loss tokens outside the trainer's top-p nucleus (kept with their own mass, docs/grpo.md)."""
     lr: float = 0.0
     """The learning rate of this step's update (``GRPOConfig.lr_at``); 0.0 when no update ran."""
     skipped: SkipReason | None = None
@@ -327,344 +311,6 @@ class GradientResult:
     """Loss tokens whose loss the dual clip (``clip_ratio_c``) stopped at ``c * |A|``."""
     entropy_sum: float | None = None
     """Sum over this part's loss tokens of the policy's entropy (``None``: not computed)."""
-
-
-def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
-    """The model's media inputs for ``batch``: each media key materialized in row order (or absent)."""
-    out: dict[str, torch.Tensor] = {}
-    for key, packed in batch.media.items():
-        dense = packed.materialize()
-        if dense is not None:
-            out[key] = dense
-    return out
-
-
-def _forward_kwargs(
-    model: Any,
-    batch: TrainBatch,
-    *,
-    encoder_dedup: bool = False,
-    encoder_stats: EncoderStats | None = None,
-) -> dict[str, Any]:
-    """The model's forward inputs for ``batch``; with ``encoder_dedup`` the encoders run once per unique
-    item (:mod:`gymbridge.trainer.encoder`) where the model allows, else every reference is materialised."""
-    from gymbridge.families import family_of
-    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY, forward_media_kwargs
-
-    device = next(model.parameters()).device
-    params = inspect.signature(model.forward).parameters
-    plan = encoder_plan(model, batch.media) if encoder_dedup and encoder_refs(batch.media) else None
-    if isinstance(plan, str):
-        log_fallback_once(model, plan)
-        plan = None
-    media = plan.passthrough if plan is not None else media_kwargs(batch)
-    try:
-        named = forward_media_kwargs(media, params)
-    except ValueError as exc:
-        raise TrajectoryError(str(exc)) from exc
-    # the token stream's own inputs come last: no media key can ever replace them
-    kwargs: dict[str, Any] = {}
-    model_dtype = next(model.parameters()).dtype
-    for key, value in named.items():
-        kwargs[key] = value.to(device=device, dtype=model_dtype if value.is_floating_point() else value.dtype)
-    kwargs["input_ids"] = batch.input_ids.to(device)
-    kwargs["attention_mask"] = batch.attention_mask.to(device)
-    config = model.config
-    family = family_of(model)
-    _check_placeholders(family, config, batch)
-    # the family's per-token inputs (Qwen's M-RoPE types, Gemma 3's image blocks), as the generator's
-    present = {MEDIA_KEY_MODALITY.get(k, "other") for k in batch.media if batch.media[k].num_refs}
-    types = family.token_type_kwargs(config, batch.input_ids, present, params)
-    kwargs.update({k: v.to(device) for k, v in types.items()})
-    if plan is not None and plan.items:
-        kwargs.update(encode_unique(model, plan, kwargs["input_ids"]))
-    if encoder_stats is not None:
-        encoder_stats.add(plan, batch.media)
-    return kwargs
-
-
-_PLURAL = {"image": "images", "video": "videos", "audio": "audio clips"}
-
-
-def _check_placeholders(family: ModelFamily, config: Any, batch: TrainBatch) -> None:
-    """Each modality's placeholder tokens must equal the features its media imply (else the model cannot run).
-
-    The count is the family's (:meth:`~gymbridge.families.ModelFamily.expected_placeholders`: Qwen's
-    ``prod(grid_thw) // merge**2``, Gemma 3's and InternVL's image rows x tokens per image / tile,
-    the audio encoder's output length). Images are always checked; a video or audio placeholder in
-    a batch without media of that modality is plain text to the model (it never looks features up
-    for it), so those are checked when their media are present.
-    """
-    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
-
-    ids = family.placeholder_ids(config)
-    media = {k: v for k, v in batch.media.items() if v.num_refs}
-    for modality in ("image", "video", "audio"):
-        tid = ids.get(modality)
-        present = any(MEDIA_KEY_MODALITY.get(k) == modality for k in media)
-        if tid is None or (modality != "image" and not present):
-            continue
-        want = family.expected_placeholders(config, modality, media)
-        if want is None:
-            continue
-        have = int((batch.input_ids == tid).sum())
-        if have != want:
-            per_row = (batch.input_ids == tid).sum(dim=1).tolist()
-            raise TrajectoryError(
-                f"the batch holds {have} {modality} placeholder tokens but its {_PLURAL[modality]} give "
-                f"{want} features (placeholders per row: {per_row}); a generated placeholder token or "
-                "media that do not belong to these rows"
-            )
-
-
-def nucleus_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, top_p: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N]`` logprobs of ``targets`` ``[N]`` under the top-p nucleus of ``logits`` ``[N, V]``.
-
-    The nucleus is the generator's (transformers' ``TopPLogitsWarper`` rule): in ascending
-    order, tokens whose cumulative probability is ``<= 1 - top_p`` are dropped, the most
-    probable token always stays. Membership is computed without gradient; the target is
-    always kept (module docstring). Returns ``(logprobs, outside)``, ``outside`` ``[N]`` bool:
-    the target lay outside the nucleus. ``logits`` are already temperature-scaled and masked.
-    """
-    with torch.no_grad():
-        ascending, order = torch.sort(logits, dim=-1)
-        cumulative = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= 1.0 - top_p
-        drop_sorted[..., -1] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        outside = drop.gather(-1, targets[:, None])[:, 0]
-        drop.scatter_(-1, targets[:, None], False)
-    kept = logits.masked_fill(drop, float("-inf"))
-    picked = logits.gather(-1, targets[:, None])[:, 0]
-    return picked - torch.logsumexp(kept, dim=-1), outside
-
-
-def _token_logprobs(
-    model: Any,
-    batch: TrainBatch,
-    *,
-    temperature: float,
-    suppress_token_ids: Sequence[int] | None,
-    top_p: float,
-    packed: bool = False,
-    encoder_dedup: bool = False,
-    encoder_stats: EncoderStats | None = None,
-    entropy: bool = False,
-) -> tuple[torch.Tensor, int, torch.Tensor | None]:
-    """:func:`token_logprobs`, the number of loss tokens outside the trainer's nucleus and, with
-    ``entropy``, the ``[B, L]`` entropy of each loss token's distribution (0 elsewhere;
-    differentiable)."""
-    if is_greedy(temperature):  # logits / 1e-40 overflow to inf: the step would be NaN
-        raise ValueError(
-            f"temperature must be >= {GREEDY_BELOW_TEMPERATURE:g} for a policy-gradient step (below it "
-            f"sampling is greedy), got {temperature}"
-        )
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    kwargs = _forward_kwargs(model, batch, encoder_dedup=encoder_dedup, encoder_stats=encoder_stats)
-    rows: PackedRows | None = None
-    if packed:
-        kwargs, rows = packed_forward_kwargs(model, kwargs)
-    logits = model(**kwargs).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    ids = (rows.pack(batch.input_ids) if rows is not None else batch.input_ids).to(logits.device)
-    logits = logits[:, :-1]
-    targets = ids[:, 1:]
-    if suppress_token_ids is None:
-        suppress_token_ids = media_special_token_ids(model.config)
-    suppress = [t for t in suppress_token_ids if 0 <= t < logits.shape[-1]]
-    if suppress:
-        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
-    lp = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
-    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
-    outside = 0
-    ent: torch.Tensor | None = None
-    if top_p < 1.0 or entropy:
-        # only where the loss looks: a [N, V] sort or softmax, and prompt tokens need neither
-        loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
-        where = loss_mask[:, 1:].to(logits.device) > 0
-        if top_p < 1.0 and bool(where.any()):
-            nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
-            lp = lp.masked_scatter(where, nucleus)
-            outside = int(out_mask.sum())
-        if entropy:
-            ent = torch.zeros_like(lp).masked_scatter(where, _entropy(logits[where]))
-    out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
-    out[:, 1:] = lp
-    ent_out: torch.Tensor | None = None
-    if ent is not None:
-        ent_out = torch.zeros(ids.shape, dtype=ent.dtype, device=ent.device)
-        ent_out[:, 1:] = ent
-    if rows is not None:  # a row's first token follows the previous row: no logprob there
-        return rows.unpack(out), outside, rows.unpack(ent_out) if ent_out is not None else None
-    attention = batch.attention_mask.to(out.device)
-    return out * attention, outside, ent_out * attention if ent_out is not None else None
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy ``[N]`` of ``softmax(logits)`` ``[N, V]``; ``-inf`` logits (suppressed tokens) have
-    probability 0 and add nothing (no NaN in the value or the gradient)."""
-    finite = logits.masked_fill(~torch.isfinite(logits), 0.0)
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * finite).sum(dim=-1)
-
-
-def token_logprobs(
-    model: Any,
-    batch: TrainBatch,
-    *,
-    temperature: float = 1.0,
-    suppress_token_ids: Sequence[int] | None = None,
-    top_p: float = 1.0,
-    packed: bool = False,
-    encoder_dedup: bool = False,
-    encoder_stats: EncoderStats | None = None,
-) -> torch.Tensor:
-    """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
-
-    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
-    The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
-    model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask)
-    and, with ``top_p < 1``, over the nucleus at every loss-mask position (module docstring).
-    ``packed``: the rows run as one packed sequence (:mod:`gymbridge.trainer.packing`); the
-    result is unpacked to the same ``[B, L]`` layout. ``encoder_dedup``: encode each unique
-    media item once (``GRPOConfig.encoder_dedup``); ``encoder_stats`` counts the encoder work.
-    """
-    lp, _, _ = _token_logprobs(
-        model,
-        batch,
-        temperature=temperature,
-        suppress_token_ids=suppress_token_ids,
-        top_p=top_p,
-        packed=packed,
-        encoder_dedup=encoder_dedup,
-        encoder_stats=encoder_stats,
-    )
-    return lp
-
-
-def kl_estimate(
-    new_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator
-) -> torch.Tensor:
-    """Per-token estimator of ``KL(pi_theta || pi_ref)`` from sampled-token logprobs (same shape)."""
-    log_ratio = ref_logprobs.to(new_logprobs) - new_logprobs  # r = log pi_ref / pi_theta
-    if estimator == "k1":
-        return -log_ratio
-    if estimator in ("k3", "low_var_kl"):
-        r = log_ratio.clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
-        k3 = torch.exp(r) - r - 1.0
-        return k3.clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP) if estimator == "low_var_kl" else k3
-    raise ValueError(f"unknown KL estimator {estimator!r} (k1, k3 or low_var_kl)")
-
-
-def loss_rows(loss_mask: torch.Tensor) -> int:
-    """Rows of ``loss_mask`` ``[B, L]`` holding at least one loss token (the ``seq_mean`` normaliser)."""
-    return int((loss_mask.sum(dim=1) > 0).sum()) if loss_mask.numel() else 0
-
-
-def aggregate_loss(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    loss_agg: LossAgg,
-    *,
-    total_loss_tokens: int,
-    total_loss_rows: int,
-) -> torch.Tensor:
-    """The batch loss from per-token losses ``[B, L]`` and the loss mask (module docstring)."""
-    masked = per_token * mask
-    if loss_agg == "token_mean":
-        return masked.sum() / max(total_loss_tokens, 1)
-    row_sums = masked.sum(dim=1)
-    if loss_agg == "seq_mean_token_sum":
-        return row_sums.sum() / max(total_loss_rows, 1)
-    if loss_agg == "seq_mean_token_mean":
-        return (row_sums / mask.sum(dim=1).clamp(min=1)).sum() / max(total_loss_rows, 1)
-    raise ValueError(f"unknown loss_agg {loss_agg!r}")
-
-
-def grpo_token_loss(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    clip_eps_low: float = 0.2,
-    clip_eps_high: float = 0.2,
-    total_loss_tokens: int | None = None,
-    is_cap: float | None = None,
-    loss_agg: LossAgg = "token_mean",
-    total_loss_rows: int | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
-    clip_ratio_c: float | None = None,
-    kl_bias_correction: bool = False,
-    entropy: torch.Tensor | None = None,
-    entropy_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped-ratio PG loss (plus ``kl_coef`` x KL to ``ref_logprobs``) over ``[B, L]`` logprobs.
-
-    ``advantages`` are per row ``[B]``. Returns ``(loss, stats)``: ``loss`` aggregates the
-    per-token losses over ``loss_mask`` by ``loss_agg`` with the whole batch's
-    ``total_loss_tokens`` / ``total_loss_rows`` (default: this mask's own), so parts of a
-    batch sum to the batch's loss. ``stats`` holds ``clipped`` (tokens whose ratio was
-    clipped in the active direction), ``capped`` (tokens whose importance weight ``is_cap``
-    truncated: value and gradient weight ``min(ratio, is_cap)`` in the unclipped term),
-    ``dual_clipped`` (tokens of negative advantage whose loss the dual clip ``clip_ratio_c``
-    stopped at ``c * |A|``), ``ratio_sum``, ``kl_sum`` (``old - new``), ``ref_kl_sum`` (the KL
-    estimator, before ``kl_bias_correction``'s ratio; 0 without a reference), ``entropy_sum``
-    (of ``entropy`` ``[B, L]``, the policy's per-token entropy, 0 without it; with ``entropy_coef``
-    the loss subtracts ``entropy_coef * entropy``) and ``max_abs_log`` (the largest ``|new -
-    old|``) over masked tokens.
-    """
-    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1, got {clip_ratio_c}")
-    mask = loss_mask.to(device=new_logprobs.device, dtype=new_logprobs.dtype)
-    tokens = int(mask.sum()) if total_loss_tokens is None else total_loss_tokens
-    rows = loss_rows(mask) if total_loss_rows is None else total_loss_rows
-    log_ratio = (new_logprobs - old_logprobs.to(new_logprobs)) * mask
-    ratio = torch.exp(log_ratio)
-    adv = advantages.to(new_logprobs)[:, None]
-    weight = ratio
-    if is_cap is not None:  # value is_cap, gradient is_cap * grad log pi (a stop-gradient rescale)
-        weight = torch.where(ratio > is_cap, ratio * (is_cap / ratio.detach()), ratio)
-    unclipped = weight * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    dual_clipped: torch.Tensor | int = 0
-    if clip_ratio_c is not None:  # A < 0: at most c|A|, a constant (no gradient) beyond it
-        bound = -clip_ratio_c * adv.expand_as(per_token)
-        negative = (adv < 0).expand_as(per_token)
-        with torch.no_grad():
-            dual_clipped = (negative & (per_token > bound) & (mask > 0)).sum()
-        per_token = torch.where(negative, torch.minimum(per_token, bound), per_token)
-    ref_kl: torch.Tensor | None = None
-    if ref_logprobs is not None:
-        ref_kl = kl_estimate(new_logprobs, ref_logprobs, kl_estimator) * mask
-        if kl_coef:
-            # TRL's bias correction: the sampled token's KL weighted by pi_theta / mu (value 1 on-policy)
-            kl_term = ref_kl * ratio if kl_bias_correction else ref_kl
-            per_token = per_token + kl_coef * kl_term
-    if entropy is not None and entropy_coef:
-        per_token = per_token - entropy_coef * entropy.to(per_token)
-    loss = aggregate_loss(per_token, mask, loss_agg, total_loss_tokens=tokens, total_loss_rows=rows)
-    with torch.no_grad():
-        was_clipped = ((clipped < unclipped) & (mask > 0)).sum()
-        capped = ((ratio > is_cap) & (mask > 0)).sum() if is_cap is not None else 0
-        stats = {
-            "clipped": float(was_clipped),
-            "capped": float(capped),
-            "dual_clipped": float(dual_clipped),
-            "ratio_sum": float((ratio * mask).sum()),
-            "kl_sum": float((-log_ratio * mask).sum()),
-            "ref_kl_sum": float(ref_kl.sum()) if ref_kl is not None else 0.0,
-            "entropy_sum": float((entropy.to(mask) * mask).sum()) if entropy is not None else 0.0,
-            "max_abs_log": float(log_ratio.abs().max()) if log_ratio.numel() else 0.0,
-        }
-    return loss, stats
 
 
 def hit_token_limit(meta: dict[str, Any]) -> bool:
@@ -828,7 +474,7 @@ class GRPOTrainer:
             if float(mb.loss_mask.sum()) == 0:
                 continue
             score = functools.partial(
-                _token_logprobs,
+                scored_logprobs,
                 batch=mb,
                 temperature=cfg.temperature,
                 suppress_token_ids=cfg.suppress_token_ids,

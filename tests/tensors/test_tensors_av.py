@@ -99,7 +99,7 @@ def _audio_batch(tiny_omni: TinyOmni) -> tuple[TrainBatch, list[int]]:
 def test_audio_feature_mask_never_overwrites_text_attention_mask(tiny_omni: TinyOmni) -> None:
     """Regression: the extractor's ``attention_mask`` ([N, 400] frames) used to reach the model as the
     *text* attention mask. It is ``feature_attention_mask`` now, and the text mask always wins."""
-    from gymbridge.trainer.grpo import _forward_kwargs
+    from gymbridge.trainer.forward import forward_kwargs as _forward_kwargs
 
     batch, _ = _audio_batch(tiny_omni)
     assert "attention_mask" not in batch.media and "feature_attention_mask" in batch.media

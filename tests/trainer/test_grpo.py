@@ -123,7 +123,7 @@ def test_new_logprobs_renormalise_without_the_tokens_the_generator_never_samples
 ) -> None:
     """HFGenerator masks media ids to -inf; the trainer's logprobs drop the same mass (ratio stays 1)."""
     from gymbridge.generation.hf import HFGenerator
-    from gymbridge.trainer.grpo import _forward_kwargs
+    from gymbridge.trainer.forward import forward_kwargs as _forward_kwargs
 
     model = tiny_policy(0)
     banned = HFGenerator(model, tiny.processor).suppressed_token_ids

@@ -376,7 +376,7 @@ def test_regression_trainer_temperature_below_float32_range_is_refused_not_nan(t
 
 
 def test_entropy_is_the_categorical_entropy_and_suppressed_tokens_add_no_nan() -> None:
-    from gymbridge.trainer.grpo import _entropy
+    from gymbridge.trainer.objective import entropy_of as _entropy
 
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0), requires_grad=True)
     want = torch.distributions.Categorical(logits=logits).entropy()
@@ -393,7 +393,7 @@ def test_entropy_bonus_is_in_the_loss_its_gradient_and_the_step_metrics(tiny: Ti
     """``entropy_coef`` subtracts ``coef * H_t`` per loss token: the gradient is the plain loss's
     minus the coefficient times that of the masked token-mean entropy, micro-batches and DP shards
     still sum to it, and ``StepMetrics.entropy`` reports it (``None`` with the bonus off)."""
-    from gymbridge.trainer.grpo import _token_logprobs
+    from gymbridge.trainer.forward import scored_logprobs as _token_logprobs
 
     model = tiny_policy(0)
     batch = _off_policy(model, _varied_batch(tiny))

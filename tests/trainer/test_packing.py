@@ -20,7 +20,7 @@ from gymbridge.models.tiny_omni import TinyOmni
 from gymbridge.models.tiny_vlm import TinyVLM
 from gymbridge.tensors import TrainBatch
 from gymbridge.trainer import GradientResult, GRPOConfig, GRPOTrainer, packing, tiny_policy, token_logprobs
-from gymbridge.trainer.grpo import _forward_kwargs
+from gymbridge.trainer.forward import forward_kwargs as _forward_kwargs
 from gymbridge.trainer.models import tiny_omni_policy
 from gymbridge.trainer.packing import PackedRows, check_packable, packed_forward_kwargs, rope_position_ids
 
