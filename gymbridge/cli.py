@@ -8,6 +8,7 @@
     gymbridge model serve --tiny | --model PATH [--port P]
     gymbridge agent serve --resources-url URL --model-url URL [--port P]
     gymbridge smoke run [--config FILE] [--set KEY=VALUE ...]
+    gymbridge export RUN_DIR --out DIR [--step N] [--dtype bfloat16|float32] [--max-shard-size 5GB]
 
 Each top-level group (``env``, ``model``, ``agent``, ``smoke``) is one entry of
 :data:`COMMAND_GROUPS`: a help line and the dotted path of a function that adds
@@ -89,6 +90,10 @@ SINGLE_COMMANDS: dict[str, tuple[str, str]] = {
     "train": (
         "a GRPO run: --env NAME|module:Class or --agent-url URL, --dataset rows, --model tiny|PATH, --config",
         "gymbridge.run.cli:add_train_arguments",
+    ),
+    "export": (
+        "write a run's trained weights as a Hugging Face model directory (from_pretrained, vLLM)",
+        "gymbridge.run.cli:add_export_arguments",
     ),
     "collect": (
         "roll a dataset out through any NeMo Gym agent (ng_collect_rollouts): results + failures",

@@ -8,6 +8,7 @@
     gymbridge smoke run --model tiny:gemma3 --steps 2     # a tiny model of one VLM family
     gymbridge train --resume runs/color_pick-20261202T101500Z
     gymbridge smoke run [--native | --config smoke_color_tool | --env beep_count ...]
+    gymbridge export runs/color_pick-20261202T101500Z --out exported/ [--step 20] [--dtype bfloat16]
 
 ``--config`` takes shipped overlays by name (``gymbridge/configs/``) or YAML files, in order;
 ``--set KEY=VALUE`` (dotted, YAML-typed) comes after them, the named flags last
@@ -16,8 +17,13 @@
 starts it afresh in ``DIR`` when it has none. ``gymbridge smoke run --env NAME`` runs an example
 environment at its small smoke size (its data module's ``SMOKE_PARAMS``).
 
+``gymbridge export RUN_DIR --out DIR`` writes the run's newest checkpoint (or ``--step N``) as a
+Hugging Face model directory (:func:`gymbridge.trainer.export.export_hf`, docs/export.md); the model
+class, config and processor are rebuilt offline from the run's ``config.yaml``
+(:func:`run_model_parts`).
+
 Invariant: nothing here trains; it turns the command line into a :class:`~gymbridge.run.RunConfig`
-and calls :func:`gymbridge.run.train`.
+and calls :func:`gymbridge.run.train` (or, for ``export``, the exporter).
 """
 
 from __future__ import annotations
@@ -25,12 +31,16 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gymbridge.config import parse_override
 from gymbridge.errors import ConfigError
 
-__all__ = ["add_smoke_commands", "add_train_arguments"]
+if TYPE_CHECKING:
+    from gymbridge.run.config import RunConfig
+    from gymbridge.trainer.export import ModelParts
+
+__all__ = ["add_export_arguments", "add_smoke_commands", "add_train_arguments", "run_model_parts"]
 
 SMOKE_CONFIG = "smoke"
 """The overlay ``gymbridge smoke run`` uses when given no ``--config``."""
@@ -179,3 +189,122 @@ def _smoke_params(env: str) -> dict[str, Any]:
     from gymbridge.cli_common import load_example_environments
 
     return dict(load_example_environments().get_env(env).smoke_params)
+
+
+# ---------------------------------------------------------------------------------------- export
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    """``gymbridge export``'s options (the ``gymbridge.cli`` hook)."""
+    parser.description = (
+        "Write a run's checkpoint (the newest, or --step N) as a Hugging Face model directory: "
+        "safetensors weights (sharded past --max-shard-size, with model.safetensors.index.json), "
+        "config.json, generation_config.json and the processor / tokenizer / chat template. "
+        "transformers' from_pretrained, vLLM, `gymbridge model serve --model DIR` and "
+        "`gymbridge train --model DIR` load it as is (docs/export.md)."
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (holds config.yaml)")
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write")
+    parser.add_argument(
+        "--step", type=int, default=None, help="the checkpoint of this step (default: the newest)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
+        help="the weights' dtype (default: the run's trainer.dtype)",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest weights file, as save_pretrained reads it (5GB, 500MB, 2GiB; default 5GB)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace DIR when it exists and is not empty"
+    )
+    parser.set_defaults(func=_cmd_export)
+
+
+def _saved_config(run_dir: Path) -> RunConfig:
+    from gymbridge.run.config import saved_run_config
+    from gymbridge.run.rundir import RunDir
+
+    run = RunDir(run_dir)
+    if not run.config_path.is_file():
+        raise ConfigError([f"{run_dir}: not a run directory (no config.yaml)"])
+    return saved_run_config(run.read_config(), where=str(run.config_path))
+
+
+def run_model_parts(config: RunConfig) -> ModelParts:
+    """What an export of a run of ``config`` takes from its model, rebuilt offline.
+
+    A tiny model is rebuilt from its seed (its class, config and processor; ``tiny`` by the
+    environment's modalities, as the run picked it); a model directory gives its config and has
+    its processor / tokenizer files copied.
+    """
+    from gymbridge.trainer.export import ModelParts
+
+    name = config.model.name
+    if config.model.is_tiny:
+        from gymbridge.run.model import pick_model
+
+        modalities: tuple[str, ...] = ("image",)
+        if name == "tiny" and config.env.agent_url is None and config.env.name is not None:
+            from gymbridge.run.userenv import resolve_env
+
+            modalities = tuple(resolve_env(config.env.name).modalities)
+        model = pick_model(name, config.model.seed, modalities)
+        policy = model.policy
+        return ModelParts(type(policy), policy.config, policy.generation_config, model.processor)
+    import transformers
+
+    from gymbridge.generation.cli import check_model_dir
+
+    folder = check_model_dir(name)
+    hf_config: Any = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    classes = [getattr(transformers, a, None) for a in (hf_config.architectures or [])]
+    model_class = next((c for c in classes if isinstance(c, type)), None)
+    if model_class is None:
+        raise ConfigError(
+            [f"model {name}: config.json names no transformers class ({hf_config.architectures})"]
+        )
+    generation: Any = None
+    if (folder / "generation_config.json").is_file():
+        generation = transformers.GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    return ModelParts(model_class, hf_config, generation, processor_dir=folder)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import sys
+
+    from gymbridge.trainer.export import ShardWritten, export_hf
+
+    config = _saved_config(args.run_dir)
+    dtype = args.dtype or config.trainer.dtype
+    print(
+        f"export: {args.run_dir} -> {args.out} ({dtype}, shards up to {args.max_shard_size})", file=sys.stderr
+    )
+
+    def progress(shard: ShardWritten) -> None:
+        print(
+            f"  shard {shard.index}: {shard.num_tensors} tensors, {shard.num_bytes / 2**20:.1f} MiB",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    result = export_hf(
+        args.run_dir,
+        args.out,
+        parts=run_model_parts(config),
+        step=args.step,
+        dtype=dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        on_shard=progress,
+    )
+    print(
+        f"exported step {result.step} ({result.checkpoint.name}) to {result.out_dir}: "
+        f"{result.num_tensors} tensors, {result.num_bytes / 2**20:.1f} MiB in {len(result.files)} file(s), "
+        f"{result.elapsed_s:.1f}s",
+        file=sys.stderr,
+    )
+    return 0

@@ -167,6 +167,23 @@ class DPConfig(StrictModel):
     """CPUs of the local Ray the run starts (not used with ``ray_address``)."""
     ray_address: str | None = None
     """Join this Ray cluster (``ray.init(address=...)``, e.g. ``auto``) instead of starting one."""
+    strategy: Literal["replicate", "fsdp"] = "replicate"
+    """``replicate``: every worker holds the whole policy and its AdamW, gradients all-reduced;
+    ``fsdp``: FSDP2 shards parameters, gradients and optimizer state over the workers (about 1/N
+    each, fp32 masters with bf16 compute under ``trainer.dtype=bfloat16``), every block gathered
+    around its own forward and backward, the weights streamed to the driver in
+    ``generator.bucket_mb`` buckets. ``replicate`` stays the better choice for a model that fits
+    one worker with room to spare (the tiny ones): ``fsdp`` pays an all-gather per block per pass
+    and per publication, which costs more than the memory it saves there."""
+    cpu_offload: bool = False
+    """With ``strategy: fsdp``: keep each worker's shards, gradients and optimizer state in CPU
+    memory (``CPUOffloadPolicy``), moved to the accelerator around each block's use."""
+
+    @model_validator(mode="after")
+    def _offload_needs_fsdp(self) -> DPConfig:
+        if self.cpu_offload and self.strategy != "fsdp":
+            raise ValueError("dp.cpu_offload needs dp.strategy=fsdp (a replica is not sharded)")
+        return self
 
 
 class CheckpointConfig(StrictModel):
@@ -194,6 +211,10 @@ class OutputConfig(StrictModel):
     """Also send each step's metrics record to ``wandb`` / ``tensorboard`` (optional extras)."""
     payload_metrics: bool = True
     """Measure the bytes crossing each boundary (``payload`` in ``metrics.jsonl``, the final table)."""
+    export: Literal["final", "none"] = "final"
+    """``final``: at the end, write ``RUN_DIR/export/`` from the final checkpoint, a Hugging Face model
+    directory (``from_pretrained``, vLLM, ``--model DIR``; docs/export.md) in ``trainer.dtype``;
+    ``none``: checkpoints only (``gymbridge export RUN_DIR --out DIR`` writes one later)."""
 
     @field_validator("run_dir")
     @classmethod

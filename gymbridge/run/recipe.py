@@ -303,12 +303,17 @@ class GRPORun:
     async def _setup_trainer(self, spec: Any) -> None:
         from gymbridge.trainer import GRPOTrainer
         from gymbridge.trainer.checkpoint import load_checkpoint
+        from gymbridge.trainer.memory import prepare_policy
 
         cfg = self.config
         policy = self.model.policy
-        dtype = cfg.trainer.torch_dtype
-        if self._resuming:  # the checkpoint holds weights and optimizer state in the trainer's dtype
-            policy.to(dtype)
+        # fp32 master weights on every path: bf16 autocast here and on replicated DP workers, FSDP's
+        # mixed precision on sharded ones; the generator and the KL reference get the trainer's dtype
+        try:  # frozen encoders, checkpointed blocks: before the trainer collects its parameters
+            memory = prepare_policy(policy, cfg.trainer, masters=True)
+        except ValueError as exc:
+            raise ConfigError([str(exc)]) from exc
+        self.say(memory.describe())
         # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
         self.trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.bridge.max_staleness == 0)
         if self._resuming:
@@ -328,10 +333,12 @@ class GRPORun:
         if spec is not None and cfg.warmup.steps > 0:
             await self._warmup(spec)
         if self.trainer.reference is not None:  # KL to the policy RL starts from: the warmed-up one
-            self.trainer.freeze_reference()
-        policy.to(dtype)  # in place (the optimizer's parameters stay the same objects; no state yet)
+            self.trainer.freeze_reference()  # held in the trainer's dtype whatever the policy's
         if cfg.trainer.dtype != "float32":
-            self.say(f"policy dtype: {cfg.trainer.dtype} (trainer, reference and generator)")
+            name = cfg.trainer.dtype
+            compute = "FSDP mixed precision" if cfg.dp.workers and cfg.dp.strategy == "fsdp" else "autocast"
+            held = f"fp32 master weights and AdamW state, {name} {compute}"
+            self.say(f"policy dtype: {name} (trainer: {held}; reference and generator: {name})")
 
     async def _warmup(self, spec: Any) -> None:
         from gymbridge.generation.hf import HFGenerator
@@ -406,6 +413,8 @@ class GRPORun:
         from gymbridge.trainer.models import from_config
         from gymbridge.trainer.ray_dp import RayDPTrainer, init_ray, require_ray
 
+        strategy = cfg.dp.strategy
+
         try:
             ray = require_ray()
         except ImportError as exc:
@@ -419,13 +428,22 @@ class GRPORun:
             functools.partial(from_config, type(policy), policy.config),
             cfg.dp.workers,
             meter=self.meter,
+            strategy=strategy,
+            cpu_offload=cfg.dp.cpu_offload,
+            bucket_bytes=cfg.generator.bucket_mb << 20,
         )
         self._stack.callback(self.dp.shutdown)
         self._update = self.dp.step
+        how = (
+            "gradients all-reduced in the group, rank 0's weights published"
+            if strategy == "replicate"
+            else "parameters, gradients and optimizer state sharded (FSDP2), weights streamed from the "
+            f"shards in {cfg.generator.bucket_mb} MiB buckets"
+            + (", CPU offload" if cfg.dp.cpu_offload else "")
+        )
         self.say(
-            f"data parallel: {cfg.dp.workers} Ray worker(s) in one torch.distributed group "
-            f"({self.dp.backend}, {self.dp.num_gpus:g} GPU each); gradients all-reduced in the group, "
-            "rank 0's weights published"
+            f"data parallel ({strategy}): {cfg.dp.workers} Ray worker(s) in one torch.distributed group "
+            f"({self.dp.backend}, {self.dp.num_gpus:g} GPU each); {how}"
         )
 
     def _setup_bridge(self) -> None:
@@ -540,6 +558,8 @@ class GRPORun:
             "dp_shard_tokens": list(self.dp.last_shard_tokens),
             "dp_media_dtypes": dict(self.dp.last_media_dtypes),
             "dp_weights_s": self.dp.last_weights_s,
+            "dp_strategy": self.dp.strategy,
+            "dp_rank_state_bytes": [dict(b) for b in self.dp.last_rank_state_bytes],
         }
 
     async def save_checkpoint(self, step: int) -> Path:
@@ -547,6 +567,8 @@ class GRPORun:
         from gymbridge.trainer.checkpoint import save_checkpoint
 
         if self.dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
+            # fsdp: the full optimizer state gathered from the shards (a sharded DCP format would
+            # skip the gather: RayDPTrainer.pull_optimizer_state is the one seam)
             await asyncio.to_thread(self.dp.pull_optimizer_state)
         self._checkpointed = step
         return await asyncio.to_thread(
@@ -598,6 +620,24 @@ class GRPORun:
             s.payload_table = self.meter.table()
             self.say("\npayload per boundary (pickle-5 bytes; ratio = logical / physical media bytes):")
             self.say(s.payload_table)
+        if cfg.output.export == "final" and self._checkpointed:  # RUN_DIR/export/: docs/export.md
+            from gymbridge.errors import CheckpointError
+            from gymbridge.trainer.export import ModelParts, export_hf
+
+            policy, out = self.model.policy, self.run_dir.path / "export"
+            parts = ModelParts(type(policy), policy.config, policy.generation_config, self.model.processor)
+            try:
+                done = await asyncio.to_thread(
+                    export_hf, self.run_dir.path, out, parts=parts, dtype=cfg.trainer.dtype, overwrite=True
+                )
+            except (CheckpointError, OSError, NotImplementedError) as exc:
+                self.say(f"\nexport FAILED ({exc}); retry: gymbridge export {self.run_dir.path} --out DIR")
+            else:
+                s.export_dir = str(out)
+                self.say(
+                    f"\nexport: step {done.step} as a Hugging Face model ({done.dtype}, "
+                    f"{done.num_bytes / 2**20:.1f} MiB, {done.elapsed_s:.2f}s) -> {out}"
+                )
         s.elapsed_s = time.perf_counter() - self._started
         st = s.bridge_stats
         stale = f", {st['groups_dropped_stale']} stale" if st.get("groups_dropped_stale") else ""

@@ -187,6 +187,8 @@ class RunSummary:
     """The child model server's pid with ``generator.placement: process`` (stopped on return)."""
     nothing_to_do: bool = False
     """A resumed run that had already done all its steps (it started nothing)."""
+    export_dir: str = ""
+    """The Hugging Face export of the final checkpoint (``output.export: final``; ``""``: none written)."""
 
     def add(self, report: StepReport, record: dict[str, Any]) -> None:
         """Account one step."""

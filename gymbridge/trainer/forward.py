@@ -13,11 +13,13 @@ otherwise). Suppressed media tokens: docs/generation.md.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from gymbridge.errors import TrajectoryError
 from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE, is_greedy, media_special_token_ids
@@ -28,6 +30,7 @@ from gymbridge.trainer.encoder import (
     encoder_refs,
     log_fallback_once,
 )
+from gymbridge.trainer.memory import autocast_dtype
 from gymbridge.trainer.objective import entropy_of, nucleus_logprobs
 from gymbridge.trainer.packing import PackedRows, packed_forward_kwargs
 
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
     from gymbridge.families import ModelFamily
     from gymbridge.tensors import TrainBatch
 
-__all__ = ["forward_kwargs", "media_kwargs", "scored_logprobs", "token_logprobs"]
+__all__ = ["LOGITS_CHUNK_POSITIONS", "forward_kwargs", "media_kwargs", "scored_logprobs", "token_logprobs"]
 
 
 def media_kwargs(batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -126,6 +129,16 @@ def _check_placeholders(family: ModelFamily, config: Any, batch: TrainBatch) -> 
             )
 
 
+LOGITS_CHUNK_POSITIONS = 4096
+"""Loss positions per output-head chunk on the lean path: a chunk's ``[n, V]`` fp32 logits are the
+largest tensor the step holds at once; with more positions than this, each chunk is recomputed in
+the backward instead of kept."""
+
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+"""Text-config settings with which a model's ``forward`` changes the output head's logits: such a
+model is scored on the full path (its own ``forward``)."""
+
+
 def scored_logprobs(
     model: Any,
     batch: TrainBatch,
@@ -137,10 +150,19 @@ def scored_logprobs(
     encoder_dedup: bool = False,
     encoder_stats: EncoderStats | None = None,
     entropy: bool = False,
+    loss_only: bool = True,
 ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """:func:`token_logprobs`, the number of loss tokens outside the trainer's nucleus and, with
     ``entropy``, the ``[B, L]`` entropy of each loss token's distribution (0 elsewhere;
-    differentiable)."""
+    differentiable).
+
+    ``loss_only`` (the trainer's): the output head and the log-softmax run only at the positions
+    whose next token is a loss token (``loss_mask``), in chunks of :data:`LOGITS_CHUNK_POSITIONS`;
+    the logprobs there are the full path's, and every other position holds 0. A model without a
+    separate base and output head (``model.model``, ``get_output_embeddings()``), or whose forward
+    changes the head's logits (:data:`_LOGIT_POSTPROCESSING`), runs the full path. The forward runs
+    under the autocast dtype :func:`~gymbridge.trainer.memory.enable_autocast` set on ``model``.
+    """
     if is_greedy(temperature):  # logits / 1e-40 overflow to inf: the step would be NaN
         raise ValueError(
             f"temperature must be >= {GREEDY_BELOW_TEMPERATURE:g} for a policy-gradient step (below it "
@@ -152,15 +174,85 @@ def scored_logprobs(
     rows: PackedRows | None = None
     if packed:
         kwargs, rows = packed_forward_kwargs(model, kwargs)
-    logits = model(**kwargs).logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    ids = (rows.pack(batch.input_ids) if rows is not None else batch.input_ids).to(logits.device)
-    logits = logits[:, :-1]
+    split = _base_and_head(model) if loss_only else None
+    cast = autocast_dtype(model)
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
+        if split is None:
+            logits = model(**_without_cache(model, kwargs)).logits
+        else:
+            base, head = split
+            out = base(**_without_cache(base, kwargs))
+            hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    ids = (rows.pack(batch.input_ids) if rows is not None else batch.input_ids).to(device)
+    loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
+    where = loss_mask[:, 1:].to(device) > 0
     targets = ids[:, 1:]
     if suppress_token_ids is None:
         suppress_token_ids = media_special_token_ids(model.config)
-    suppress = [t for t in suppress_token_ids if 0 <= t < logits.shape[-1]]
+    if split is None:
+        lp, outside, ent = _score_all(
+            logits.float()[:, :-1], targets, where, temperature, suppress_token_ids, top_p, entropy
+        )
+    else:
+        lp, outside, ent = _score_loss_positions(
+            hidden[:, :-1], head, targets, where, temperature, suppress_token_ids, top_p, entropy, cast
+        )
+    out_lp = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
+    out_lp[:, 1:] = lp
+    ent_out: torch.Tensor | None = None
+    if ent is not None:
+        ent_out = torch.zeros(ids.shape, dtype=ent.dtype, device=ent.device)
+        ent_out[:, 1:] = ent
+    if rows is not None:  # a row's first token follows the previous row: no logprob there
+        return rows.unpack(out_lp), outside, rows.unpack(ent_out) if ent_out is not None else None
+    attention = batch.attention_mask.to(out_lp.device)
+    return out_lp * attention, outside, ent_out * attention if ent_out is not None else None
+
+
+def _without_cache(module: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with ``use_cache=False`` where ``module``'s forward names it: a teacher-forced pass
+    keeps no KV cache (and a checkpointed block, run again in the backward, must not append to one)."""
+    if "use_cache" in inspect.signature(module.forward).parameters:
+        return {**kwargs, "use_cache": False}
+    return kwargs
+
+
+def _base_and_head(model: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+    """``(model.model, model.get_output_embeddings())`` when the model's logits are exactly the head
+    applied to the base's last hidden state (``None``: score on the full path)."""
+    base = getattr(model, "model", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if not isinstance(base, torch.nn.Module) or get_head is None:
+        return None
+    head = get_head()
+    if not isinstance(head, torch.nn.Module):
+        return None
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if any(getattr(text, name, None) not in (None, 1.0) for name in _LOGIT_POSTPROCESSING):
+        return None
+    return base, head
+
+
+def _suppressed(suppress_token_ids: Sequence[int], vocab: int) -> list[int]:
+    return [t for t in suppress_token_ids if 0 <= t < vocab]
+
+
+def _score_all(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    where: torch.Tensor,
+    temperature: float,
+    suppress_token_ids: Sequence[int],
+    top_p: float,
+    entropy: bool,
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Scores from every position's fp32 ``logits`` ``[B, L-1, V]``: ``[B, L-1]`` logprobs of
+    ``targets`` (nucleus and entropy at the loss positions ``where``)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    suppress = _suppressed(suppress_token_ids, logits.shape[-1])
     if suppress:
         logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
     lp = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
@@ -170,24 +262,84 @@ def scored_logprobs(
     ent: torch.Tensor | None = None
     if top_p < 1.0 or entropy:
         # only where the loss looks: a [N, V] sort or softmax, and prompt tokens need neither
-        loss_mask = rows.pack(batch.loss_mask) if rows is not None else batch.loss_mask
-        where = loss_mask[:, 1:].to(logits.device) > 0
         if top_p < 1.0 and bool(where.any()):
             nucleus, out_mask = nucleus_logprobs(logits[where], targets[where], top_p)
             lp = lp.masked_scatter(where, nucleus)
             outside = int(out_mask.sum())
         if entropy:
             ent = torch.zeros_like(lp).masked_scatter(where, entropy_of(logits[where]))
-    out = torch.zeros(ids.shape, dtype=lp.dtype, device=lp.device)
-    out[:, 1:] = lp
-    ent_out: torch.Tensor | None = None
-    if ent is not None:
-        ent_out = torch.zeros(ids.shape, dtype=ent.dtype, device=ent.device)
-        ent_out[:, 1:] = ent
-    if rows is not None:  # a row's first token follows the previous row: no logprob there
-        return rows.unpack(out), outside, rows.unpack(ent_out) if ent_out is not None else None
-    attention = batch.attention_mask.to(out.device)
-    return out * attention, outside, ent_out * attention if ent_out is not None else None
+    return lp, outside, ent
+
+
+def _score_chunk(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    head: torch.nn.Module,
+    temperature: float,
+    suppress_token_ids: Sequence[int],
+    top_p: float,
+    entropy: bool,
+    cast: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logprobs [n], outside [n] bool, entropy [n] or [0])`` of ``targets`` ``[n]`` from the base's
+    ``hidden`` ``[n, H]`` (the output head runs here, under the forward's autocast)."""
+    with torch.autocast(hidden.device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
+        logits = head(hidden)
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    suppress = _suppressed(suppress_token_ids, logits.shape[-1])
+    if suppress:
+        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
+    lp = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    outside = torch.zeros_like(targets, dtype=torch.bool)
+    if top_p < 1.0:
+        lp, outside = nucleus_logprobs(logits, targets, top_p)
+    ent = entropy_of(logits) if entropy else logits.new_zeros(0)
+    return lp, outside, ent
+
+
+def _score_loss_positions(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    targets: torch.Tensor,
+    where: torch.Tensor,
+    temperature: float,
+    suppress_token_ids: Sequence[int],
+    top_p: float,
+    entropy: bool,
+    cast: torch.dtype | None,
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """Scores at the loss positions ``where`` ``[B, L-1]`` only, from the base's ``hidden``
+    ``[B, L-1, H]``: ``[B, L-1]`` logprobs (0 elsewhere), tokens outside the nucleus, entropy."""
+    picked = hidden[where]
+    chosen = targets[where]
+    score = functools.partial(
+        _score_chunk,
+        head=head,
+        temperature=temperature,
+        suppress_token_ids=suppress_token_ids,
+        top_p=top_p,
+        entropy=entropy,
+        cast=cast,
+    )
+    chunked = picked.shape[0] > LOGITS_CHUNK_POSITIONS and torch.is_grad_enabled()
+    chunks = zip(
+        torch.split(picked, LOGITS_CHUNK_POSITIONS), torch.split(chosen, LOGITS_CHUNK_POSITIONS), strict=True
+    )
+    parts = [checkpoint(score, h, t, use_reentrant=False) if chunked else score(h, t) for h, t in chunks]
+    if parts:
+        lp_sel = torch.cat([p[0] for p in parts])
+        outside = int(torch.cat([p[1] for p in parts]).sum())
+    else:
+        lp_sel, outside = hidden.new_zeros(0, dtype=torch.float32), 0
+    lp = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device).masked_scatter(where, lp_sel)
+    ent: torch.Tensor | None = None
+    if entropy:
+        ent_sel = torch.cat([p[2] for p in parts]) if parts else lp_sel
+        ent = torch.zeros_like(lp).masked_scatter(where, ent_sel)
+    return lp, outside, ent
 
 
 def token_logprobs(
@@ -203,7 +355,8 @@ def token_logprobs(
 ) -> torch.Tensor:
     """``[B, L]`` logprob of each token given the ones before it (0 at position 0 and on padding).
 
-    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable.
+    One teacher-forced forward pass over the whole ``batch`` with its media; differentiable; every
+    position scored (the trainer's own pass scores only the loss positions, :func:`scored_logprobs`).
     The distribution is renormalised without ``suppress_token_ids`` (default ``None``: the
     model's media placeholder / vision boundary ids, the generator's mask; ``()``: no mask)
     and, with ``top_p < 1``, over the nucleus at every loss-mask position
@@ -221,5 +374,6 @@ def token_logprobs(
         packed=packed,
         encoder_dedup=encoder_dedup,
         encoder_stats=encoder_stats,
+        loss_only=False,
     )
     return lp

@@ -53,6 +53,8 @@ from gymbridge.trainer.objective import (
 from gymbridge.trainer.packing import check_packable
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from gymbridge.tensors import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -139,9 +141,19 @@ class GRPOConfig(StrictModel):
     without the hook falls back to the materialised path (logged; ``StepMetrics.encoder_dedup`` False)."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """The policy's dtype for training (a run builds the trainer's and the in-process
-    generator's models in it); floating media bound for the policy are cast to it before they
-    cross to DP workers (:meth:`~gymbridge.tensors.TrainBatch.cast_media`)."""
+    """The policy's compute dtype. ``bfloat16`` in a run without DP workers: the trainer keeps fp32
+    master weights and AdamW state and runs its forward and backward passes under bf16 autocast; the
+    KL reference and the in-process generator hold bf16 weights (docs/memory.md). With DP workers
+    the driver's policy is cast to it and the workers keep their own precision (docs/dp.md).
+    Floating media bound for the policy are cast to it before they cross to DP workers
+    (:meth:`~gymbridge.tensors.TrainBatch.cast_media`)."""
+    activation_checkpointing: bool = False
+    """Keep only each block's inputs (decoder layers, encoder layers) through the forward and run
+    the block again in the backward (:func:`gymbridge.trainer.memory.apply_activation_checkpointing`):
+    the same gradients, less memory, about one more forward of time (docs/memory.md)."""
+    freeze_vision_tower: bool = False
+    """Train without the vision and audio encoders: their parameters get ``requires_grad=False``
+    (:func:`gymbridge.trainer.memory.freeze_encoders`); a model without one is refused."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -389,8 +401,12 @@ class GRPOTrainer:
         *,
         optimizer: Any | None = None,
         on_policy: bool = True,
+        reference: Any | None = None,
     ) -> None:
-        """``on_policy``: rollouts come from the current weights (``max_staleness == 0``): guard the ratio."""
+        """``on_policy``: rollouts come from the current weights (``max_staleness == 0``): guard the ratio.
+
+        ``reference``: a ready frozen reference policy (an FSDP worker's sharded one) instead of a
+        copy of ``model`` (``kl_coef > 0`` only)."""
         self.model = model
         self.config = config or GRPOConfig()
         self.on_policy = on_policy
@@ -405,9 +421,9 @@ class GRPOTrainer:
             weight_decay=self.config.weight_decay,
         )
         self.steps = 0
-        self.reference: Any | None = None
+        self.reference: Any | None = reference
         """The frozen reference policy (``kl_coef > 0``; ``None`` otherwise)."""
-        if self.config.kl_coef > 0:
+        if self.config.kl_coef > 0 and reference is None:
             self.freeze_reference()
 
     def freeze_reference(self) -> None:
@@ -448,6 +464,8 @@ class GRPOTrainer:
         *,
         total_loss_tokens: int | None = None,
         total_loss_rows: int | None = None,
+        accumulate: Literal["grad", "backward"] = "grad",
+        schedule: Callable[[list[TrainBatch]], list[tuple[TrainBatch, bool]]] | None = None,
     ) -> GradientResult:
         """Gradients of ``batch``'s loss (micro-batched by token budget); the model is not updated.
 
@@ -455,24 +473,39 @@ class GRPOTrainer:
         rows holding a loss token of the whole batch this one is part of (default: this batch's
         own), so gradients of parts add up to the whole's. ``batch`` is used as given:
         :meth:`step` calls :meth:`prepare` on the whole batch first.
+
+        ``accumulate="grad"``: the gradients are returned (``GradientResult.grads``, one per
+        parameter); ``"backward"``: ``loss.backward()`` per micro-batch leaves them summed in each
+        parameter's ``.grad`` (what FSDP reduces during the backward) and ``grads`` is empty.
+        ``schedule`` maps every micro-batch of ``batch`` to the passes to run, each ``(micro_batch,
+        counted)``; an uncounted pass runs forward and backward with its loss times 0 and adds to no
+        metric (FSDP ranks must run the same passes). Default: every micro-batch holding a loss token.
         """
         started = time.perf_counter()
         cfg = self.config
         total = int(batch.loss_mask.sum()) if total_loss_tokens is None else int(total_loss_tokens)
         rows = loss_rows(batch.loss_mask) if total_loss_rows is None else int(total_loss_rows)
-        grads = [torch.zeros_like(p) for p in self.params]
+        backward = accumulate == "backward"
+        grads = [] if backward else [torch.zeros_like(p) for p in self.params]
         result = GradientResult(grads, 0.0, int(batch.loss_mask.sum()), 0, 0.0, 0.0)
-        if len(batch) == 0 or result.loss_tokens == 0:
+        packed = cfg.sequence_packing
+        if schedule is None:
+            if len(batch) == 0 or result.loss_tokens == 0:
+                return result
+            mbs = batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed)
+            passes = [(mb, True) for mb in mbs if float(mb.loss_mask.sum()) > 0]
+        else:
+            mbs = batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed) if len(batch) else []
+            passes = schedule(mbs)
+        if not passes:
             return result
+        lead = next((mb for mb in mbs if float(mb.loss_mask.sum()) > 0), None)
         self.model.eval()
         loss_sum = ratio_sum = kl_sum = ref_kl_sum = entropy_sum = 0.0
         clipped = capped = dual = outside = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
-        packed = cfg.sequence_packing
         encoder = EncoderStats()
-        for mb in batch.micro_batches(cfg.micro_batch_max_tokens, packed=packed):
-            if float(mb.loss_mask.sum()) == 0:
-                continue
+        for mb, counted in passes:
             score = functools.partial(
                 scored_logprobs,
                 batch=mb,
@@ -483,14 +516,13 @@ class GRPOTrainer:
                 encoder_dedup=cfg.encoder_dedup,
             )
             new_lp, mb_outside, mb_entropy = score(
-                self.model, encoder_stats=encoder, entropy=cfg.entropy_coef > 0
+                self.model, encoder_stats=encoder if counted else None, entropy=cfg.entropy_coef > 0
             )
             ref_lp: torch.Tensor | None = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref_lp, _, _ = score(self.reference)
             run = mb.num_tokens if packed else len(mb) * mb.seq_len
-            tokens_run += run
             padding += run - mb.num_tokens
             sequences += int(packed)
             loss, stats = grpo_token_loss(
@@ -512,11 +544,18 @@ class GRPOTrainer:
                 entropy=mb_entropy,
                 entropy_coef=cfg.entropy_coef,
             )
-            part = torch.autograd.grad(loss, self.params, allow_unused=True)
-            for acc, g in zip(grads, part, strict=True):
-                if g is not None:
-                    acc.add_(g)
-            if first is None:
+            if not counted:  # a lockstep pass: the same collectives, no gradient, no metric
+                torch.autograd.backward(loss * 0.0)
+                continue
+            tokens_run += run
+            if backward:
+                torch.autograd.backward(loss)
+            else:
+                part = torch.autograd.grad(loss, self.params, allow_unused=True)
+                for acc, g in zip(grads, part, strict=True):
+                    if g is not None:
+                        acc.add_(g)
+            if mb is lead:
                 first = (stats["ratio_sum"] / float(mb.loss_mask.sum()), stats["max_abs_log"])
             loss_sum += float(loss.detach())
             clipped += int(stats["clipped"])
@@ -564,17 +603,26 @@ class GRPOTrainer:
                 step=self.steps + 1,
             )
 
-    def apply_gradients(self, grads: list[torch.Tensor]) -> float:
-        """Set ``grads``, clip them to ``max_grad_norm`` (in place), step; returns the pre-clip norm."""
-        for p, g in zip(self.params, grads, strict=True):
-            p.grad = g.to(device=p.device, dtype=p.dtype)
+    def apply_gradients(self, grads: list[torch.Tensor] | None) -> float:
+        """Set ``grads``, clip them to ``max_grad_norm`` (in place), step; returns the pre-clip norm.
+
+        ``None``: the gradients are already in each parameter's ``.grad`` (``accumulate="backward"``;
+        FSDP's sharded ``DTensor`` gradients: the norm is the global one over every rank's shards).
+        """
+        if grads is not None:
+            for p, g in zip(self.params, grads, strict=True):
+                p.grad = g.to(device=p.device, dtype=p.dtype)
+        with_grad = [p for p in self.params if p.grad is not None]
         if self.config.max_grad_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm))
+            total = torch.nn.utils.clip_grad_norm_(with_grad, self.config.max_grad_norm)
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-        for g, p in zip(grads, self.params, strict=True):
-            assert p.grad is not None
-            g.copy_(p.grad)  # callers (DP workers) apply exactly the clipped gradients
+            total = torch.nn.utils.get_total_norm([p.grad for p in with_grad if p.grad is not None])
+        full = getattr(total, "full_tensor", None)  # a DTensor norm: every rank's shards reduced
+        norm = float(full() if full is not None else total)
+        if grads is not None:
+            for g, p in zip(grads, self.params, strict=True):
+                assert p.grad is not None
+                g.copy_(p.grad)  # callers (DP workers) apply exactly the clipped gradients
         if self.config.lr_scheduled:  # a function of the update count: a resumed run continues it
             for group in self.optimizer.param_groups:
                 group["lr"] = self.config.lr_at(self.steps + 1)

@@ -22,7 +22,23 @@ Invariants:
   a worker whose shard fails tells its peers before the reduction, so nobody waits on a collective
   that never comes.
 
-The step in detail and why this is an explicit all-reduce rather than DDP or FSDP2: docs/dp.md.
+``strategy="fsdp"`` runs :class:`FSDPWorker` actors instead: each builds the policy on the meta
+device, shards it (:func:`gymbridge.trainer.sharding.shard_model`: FSDP2 per ``_no_split_modules``
+block, fp32 masters with bf16 compute when the trainer's dtype is bfloat16) and loads only its shard
+of the driver's weights (rank 0 receives them and broadcasts); its AdamW holds only its shards'
+state. Gradients accumulate with ``loss.backward()`` and FSDP reduce-scatters (sums) them inside the
+backward, so every rank must run the same forward and backward passes: before the first forward the
+ranks check their micro-batches (placeholders, media keys), exchange a failure flag and each
+micro-batch's media signature, and a rank with fewer passes of a signature runs zero-weighted
+repeats of one of its own (:func:`lockstep_plan`; a text-only repeat may be a micro-batch with its
+media stripped, but a rank with no image at all cannot match a peer's image pass: that step
+raises on every rank, see the plan). A failure after that point (a forward
+that raises on one rank only) leaves its peers waiting until the group's ``timeout_s``. After the
+step the weights reach the driver as a stream of full tensors, gathered one parameter at a time
+into buckets of at most ``bucket_bytes``; rank 0 returns one bucket per call and the driver copies
+it into its policy, so no process holds a second whole model.
+
+The step in detail and why replicate is an explicit all-reduce rather than DDP: docs/dp.md.
 """
 
 from __future__ import annotations
@@ -35,7 +51,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -57,10 +73,27 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DPWorker", "RayDPTrainer", "init_ray", "param_digest", "policy_shards", "require_ray"]
+__all__ = [
+    "DPStrategy",
+    "DPWorker",
+    "FSDPWorker",
+    "RayDPTrainer",
+    "Signature",
+    "fsdp_load_states",
+    "init_ray",
+    "lockstep_plan",
+    "param_digest",
+    "policy_shards",
+    "require_ray",
+]
+
+DPStrategy = Literal["replicate", "fsdp"]
 
 REDUCE_BUCKET_BYTES = 64 << 20
 """Largest flat buffer one gradient all-reduce moves."""
+
+PUBLISH_BUCKET_BYTES = 64 << 20
+"""Default largest bucket of full tensors one FSDP publication call returns to the driver."""
 
 
 def require_ray() -> Any:
@@ -125,24 +158,11 @@ def policy_shards(batch: TrainBatch, num_workers: int, dtype: torch.dtype) -> li
     return [s.cast_media(dtype) for s in batch.shard(num_workers, group_aware=True)]
 
 
-class DPWorker:
-    """The body of one Ray actor: a policy copy, its own trainer and optimizer, one rank of the group."""
+class _GroupRank:
+    """One rank of the DP group: joining it, leaving it."""
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        model_factory: Callable[[], Any],
-        config: GRPOConfig,
-        dtype: torch.dtype,
-    ) -> None:
-        torch.set_num_threads(1)
-        self.rank = rank
-        self.world_size = world_size
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        model = model_factory().to(device=self.device, dtype=dtype)
-        self.trainer = GRPOTrainer(model, config)
-        self._grads: list[torch.Tensor] | None = None
+    rank: int
+    world_size: int
 
     def node_address(self) -> str:
         import ray
@@ -173,6 +193,34 @@ class DPWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(int(t.numel() * t.element_size()) for t in tensors)
+
+
+class DPWorker(_GroupRank):
+    """The body of one Ray actor: a policy copy, its own trainer and optimizer, one rank of the group."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_factory: Callable[[], Any],
+        config: GRPOConfig,
+        dtype: torch.dtype,
+    ) -> None:
+        torch.set_num_threads(1)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from gymbridge.trainer.memory import prepare_policy
+
+        model = model_factory().to(device=self.device, dtype=dtype)
+        # the driver's settings: frozen encoders, checkpointed blocks, bf16 autocast over fp32 masters
+        prepare_policy(model, config, masters=True)
+        self.trainer = GRPOTrainer(model, config)
+        self._grads: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
 
@@ -236,14 +284,353 @@ class DPWorker:
         """Drop the reduced gradients (the driver's drift guard refused the step)."""
         self._grads = None
 
-    def apply(self, send_weights: bool) -> tuple[float, dict[str, torch.Tensor] | None]:
-        """Clip and step with the reduced gradients; returns the pre-clip norm and, if asked, the weights."""
+    def apply(self, send_weights: bool) -> tuple[float, dict[str, torch.Tensor] | None, dict[str, int]]:
+        """Clip and step with the reduced gradients.
+
+        Returns the pre-clip norm, the weights if asked, and this rank's resident state bytes.
+        """
         if self._grads is None:
             raise TrainingError(f"DP worker {self.rank}: apply() without reduced gradients")
+        grad_bytes = _tensor_bytes(self._grads)
         norm = self.trainer.apply_gradients(self._grads)
         self._grads = None
         weights = dict(_to_cpu(self.trainer.model.state_dict())) if send_weights else None
-        return norm, weights
+        from gymbridge.trainer.sharding import resident_bytes
+
+        held = resident_bytes(self.trainer.model, self.trainer.optimizer)
+        return norm, weights, {**held.as_dict(), "grads": grad_bytes}
+
+
+class _PeerFailedError(Exception):
+    """A peer's shard failed before the first forward (that peer raises its own error)."""
+
+
+Signature = tuple[str, ...]
+"""The modalities a micro-batch's forward encodes, sorted (``()``: text only)."""
+
+
+def _media_signature(mb: TrainBatch) -> Signature:
+    """The modalities a micro-batch's forward encodes (which encoder blocks it runs)."""
+    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
+
+    return tuple(sorted({MEDIA_KEY_MODALITY.get(k, k) for k, v in mb.media.items() if v.num_refs}))
+
+
+def lockstep_plan(signatures: list[list[tuple[Signature, bool]]], rank: int) -> list[tuple[int, bool, bool]]:
+    """``rank``'s FSDP passes, given every rank's micro-batches as ``(signature, holds a loss token)``.
+
+    Each pass is ``(index of one of its micro-batches, counted, strip its media)``. Passes go
+    signature by signature (sorted), every rank running the most passes any rank has of it: its own
+    micro-batches holding a loss token (counted), then repeats of one of its micro-batches of that
+    signature (not counted). A rank with none of the text-only signature repeats any micro-batch
+    with its media stripped. Every rank computes the same plan shape; a rank lacking a media
+    signature that a peer runs cannot match it: :class:`TrainingError` (the same on every rank).
+    """
+    target: dict[Signature, int] = {}
+    for sigs in signatures:
+        for sig in {s for s, _ in sigs}:
+            target[sig] = max(target.get(sig, 0), sum(1 for s, loss in sigs if s == sig and loss))
+    for r, sigs in enumerate(signatures):
+        have = {s for s, _ in sigs}
+        missing = [sig for sig, n in target.items() if n and sig not in have and (sig or not sigs)]
+        if missing:
+            raise TrainingError(
+                f"fsdp: rank {r}'s shard has no micro-batch with media {list(missing[0]) or 'none'} "
+                "while a peer's has, and FSDP ranks must run the same encoder blocks; use "
+                "dp.strategy=replicate for such batches"
+            )
+    own = signatures[rank]
+    passes: list[tuple[int, bool, bool]] = []
+    for sig in sorted(target):
+        mine = [i for i, (s, loss) in enumerate(own) if s == sig and loss]
+        passes += [(i, True, False) for i in mine]
+        short = target[sig] - len(mine)
+        if short:
+            pool = [i for i, (s, _) in enumerate(own) if s == sig]
+            passes += [(pool[0], False, False) if pool else (0, False, True)] * short
+    return passes
+
+
+def _text_only(mb: TrainBatch, model: Any) -> TrainBatch:
+    """``mb`` without its media, each placeholder token replaced by a text token (a lockstep pass)."""
+    from gymbridge.families import family_of
+
+    ids = mb.input_ids.clone()
+    placeholders = torch.tensor(sorted(set(family_of(model).placeholder_ids(model.config).values())))
+    hit = torch.isin(ids, placeholders)
+    text = ids[~hit]
+    ids[hit] = int(text[0]) if text.numel() else 0
+    return replace(mb, input_ids=ids, media={})
+
+
+def _fqn_optimizer_state(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A ``torch.optim`` state dict keyed by parameter index -> keyed by parameter name (``names``)."""
+    return {
+        "state": {names[int(i)]: v for i, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def _indexed_optimizer_state(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The inverse of :func:`_fqn_optimizer_state`."""
+    index = {n: i for i, n in enumerate(names)}
+    return {
+        "state": {index[k]: v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def _build(model_factory: Callable[..., Any], *, meta: bool) -> Any:
+    """The factory's model on the meta device where it takes ``device`` (``from_config``), else on the CPU."""
+    import inspect
+
+    if meta and "device" in inspect.signature(model_factory).parameters:
+        return model_factory(device="meta")
+    if meta:
+        logger.info("FSDP worker: the model factory takes no device; building it on the CPU first")
+    return model_factory()
+
+
+class FSDPWorker(_GroupRank):
+    """The body of one FSDP Ray actor: its shards of the policy (and reference), their AdamW, one rank.
+
+    :meth:`setup` (after :meth:`join`) builds and shards the model; :meth:`load` fills the shards.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        model_factory: Callable[..., Any],
+        config: GRPOConfig,
+        dtype: torch.dtype,
+        cpu_offload: bool = False,
+    ) -> None:
+        torch.set_num_threads(1)
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() and not cpu_offload else "cpu")
+        self.model_factory = model_factory
+        self.config = config
+        self.dtype = dtype
+        self.cpu_offload = cpu_offload
+        self.trainer: GRPOTrainer | None = None
+        self._synced = False
+        self._grad_bytes = 0
+
+    def setup(self) -> None:
+        """Build the policy (and the KL reference) on the meta device and shard it over the group."""
+        from gymbridge.trainer.memory import prepare_policy
+        from gymbridge.trainer.sharding import claim_root, shard_model
+
+        # fp32 master weights; bf16 compute when the trainer trains in bf16 (FSDP's mixed precision)
+        dtype = self.config.torch_dtype
+        model = _build(self.model_factory, meta=True).float()
+        # frozen encoders, activation checkpointing; no autocast: the mixed precision policy casts
+        prepare_policy(model, self.config, masters=False)
+        model = shard_model(
+            model, mp_dtype=None if dtype == torch.float32 else dtype, cpu_offload=self.cpu_offload
+        )
+        model.to_empty(device=self.device)
+        claim_root(model)
+        reference = None
+        if self.config.kl_coef > 0:  # held in the trainer's dtype, as GRPOTrainer.freeze_reference
+            ref = _build(self.model_factory, meta=True).to(self.config.torch_dtype)
+            ref.requires_grad_(False)
+            reference = shard_model(ref, mp_dtype=None, cpu_offload=self.cpu_offload)
+            reference.to_empty(device=self.device)
+            claim_root(reference)
+            reference.eval()
+        self.trainer = GRPOTrainer(model, self.config, reference=reference)
+
+    def _trainer(self) -> GRPOTrainer:
+        if self.trainer is None:
+            raise TrainingError(f"FSDP worker {self.rank}: used before setup()")
+        return self.trainer
+
+    # ------------------------------------------------------------------ state
+
+    def load(self, state: dict[str, Any]) -> None:
+        """Fill the shards: ``state["model"]`` is the full state dict on rank 0 (empty elsewhere), broadcast
+        from there; ``buffers``: the buffers no state dict carries (rotary frequencies), on every rank;
+        ``optimizer``: the full optimizer state keyed by parameter name, or ``None`` for a fresh one."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        trainer = self._trainer()
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        for model, key in ((trainer.model, "model"), (trainer.reference, "reference")):
+            if model is None:
+                continue
+            set_model_state_dict(model, state[key], options=options)
+            with torch.no_grad():
+                for name, value in state["buffers"].items():
+                    model.get_buffer(name).copy_(value)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        if state["optimizer"] is None:  # a fresh driver optimizer: a fresh one here too
+            self.trainer = trainer = GRPOTrainer(trainer.model, self.config, reference=trainer.reference)
+        else:
+            set_optimizer_state_dict(
+                trainer.model,
+                trainer.optimizer,
+                state["optimizer"],
+                options=StateDictOptions(full_state_dict=True),
+            )
+        trainer.steps = int(state["steps"])
+
+    def optimizer_state(self) -> dict[str, Any] | None:
+        """The full optimizer state (keyed by parameter name) on rank 0, else ``None``; all ranks call it.
+
+        The seam for a sharded checkpoint: ``get_optimizer_state_dict`` without ``full_state_dict``.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        trainer = self._trainer()
+        osd = get_optimizer_state_dict(
+            trainer.model,
+            trainer.optimizer,
+            options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+        )
+        return dict(osd) if self.rank == 0 else None
+
+    def _full(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``p`` gathered whole (a collective: every rank calls it), on the CPU in ``dtype``."""
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+            return full.to(device="cpu", dtype=dtype)
+
+    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """Full tensors of the parameters ``names`` (every rank takes part), in ``dtype``, on rank 0 only."""
+        params = dict(self._trainer().model.named_parameters())
+        out = {name: self._full(params[name], dtype) for name in names}
+        return out if self.rank == 0 else None
+
+    def digest(self) -> str:
+        """sha256 of the full parameters in the driver's dtype, as :func:`param_digest` (all ranks gather)."""
+        h = hashlib.sha256()
+        for name, p in self._trainer().model.named_parameters():
+            h.update(name.encode())
+            h.update(self._full(p, self.dtype).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ a step
+
+    def _exchange(self, failed: bool, signatures: list[tuple[Signature, bool]]) -> list[Any]:
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (failed, signatures))
+        self._synced = True
+        return gathered
+
+    def lockstep(self, micro_batches: list[TrainBatch]) -> list[tuple[TrainBatch, bool]]:
+        """The passes this rank runs so that every rank runs the same FSDP units in the same order.
+
+        Checks every micro-batch's forward inputs first (no collective yet), then exchanges a
+        failure flag and each micro-batch's media signature with the peers, and runs
+        :func:`lockstep_plan`. Raises this rank's error, :class:`_PeerFailedError` when a peer
+        failed, or the plan's :class:`TrainingError` (the same on every rank).
+        """
+        from gymbridge.trainer.forward import forward_kwargs
+
+        trainer = self._trainer()
+        error: Exception | None = None
+        own: list[tuple[Signature, bool]] = []
+        try:
+            for mb in micro_batches:  # no encoder runs here: the placeholders and media keys only
+                forward_kwargs(trainer.model, mb, encoder_dedup=False)
+            own = [(_media_signature(mb), float(mb.loss_mask.sum()) > 0) for mb in micro_batches]
+        except Exception as exc:  # told to the peers first, raised below
+            error = exc
+        gathered = self._exchange(error is not None, own)
+        if error is not None:
+            raise error
+        if any(failed for failed, _ in gathered):
+            raise _PeerFailedError
+        plan = lockstep_plan([sigs for _, sigs in gathered], self.rank)
+        return [
+            (_text_only(micro_batches[i], trainer.model) if strip else micro_batches[i], counted)
+            for i, counted, strip in plan
+        ]
+
+    def compute(
+        self, shard: TrainBatch, total_loss_tokens: int, total_loss_rows: int | None = None
+    ) -> GradientResult | None:
+        """This shard's gradients, reduce-scattered over the group inside the backward; metrics only.
+
+        ``None``: a peer's shard failed (that worker raises); no gradient is kept.
+        """
+        trainer = self._trainer()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        self._synced = False
+        try:
+            result = trainer.compute_gradients(
+                shard,
+                total_loss_tokens=total_loss_tokens,
+                total_loss_rows=total_loss_rows,
+                accumulate="backward",
+                schedule=self.lockstep,
+            )
+        except _PeerFailedError:
+            trainer.optimizer.zero_grad(set_to_none=True)
+            return None
+        except Exception:
+            if not self._synced:  # failed before the exchange (planning the micro-batches): tell the peers
+                self._exchange(True, [])
+            trainer.optimizer.zero_grad(set_to_none=True)
+            raise
+        from gymbridge.trainer.sharding import resident_bytes
+
+        self._grad_bytes = resident_bytes(trainer.model).grads
+        return result
+
+    def discard(self) -> None:
+        """Drop the reduced gradients (the driver's drift guard refused the step)."""
+        self._trainer().optimizer.zero_grad(set_to_none=True)
+
+    def apply(self, send_weights: bool) -> tuple[float, None, dict[str, int]]:
+        """Clip (global norm over every rank's shards) and step; the weights go by :meth:`gather`."""
+        from gymbridge.trainer.sharding import resident_bytes
+
+        del send_weights  # always streamed from the shards
+        trainer = self._trainer()
+        norm = trainer.apply_gradients(None)
+        held = resident_bytes(trainer.model, trainer.optimizer)
+        return norm, None, {**held.as_dict(), "grads": self._grad_bytes}
+
+
+def fsdp_load_states(trainer: GRPOTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What :meth:`FSDPWorker.load` takes from ``trainer`` (the driver's): ``(rank 0's, every other rank's)``.
+
+    Rank 0's holds the full fp32 weights of the policy and of the reference (the policy's when the
+    trainer keeps none), which it broadcasts; both hold the buffers no state dict carries, the
+    optimizer state keyed by parameter name (``None`` when blank) and the step count.
+    """
+
+    def full(model: Any) -> dict[str, torch.Tensor]:
+        return {
+            k: v.detach().cpu().float() if v.is_floating_point() else v.detach().cpu()
+            for k, v in model.state_dict().items()
+        }
+
+    model = trainer.model
+    keys = set(model.state_dict())
+    opt = trainer.optimizer.state_dict()
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    light = {
+        "model": {},
+        "reference": {},
+        "buffers": {n: b.detach().cpu() for n, b in model.named_buffers() if n not in keys},
+        "optimizer": _fqn_optimizer_state(_to_cpu(opt), names) if opt["state"] else None,
+        "steps": trainer.steps,
+    }
+    reference = trainer.reference if trainer.reference is not None else model
+    return {**light, "model": full(model), "reference": full(reference)}, light
 
 
 class RayDPTrainer:
@@ -252,6 +639,8 @@ class RayDPTrainer:
     ``trainer`` is the driver's: its policy is the one published to the generator (rank 0's
     weights after every step) and its weights, optimizer state and step count seed the workers.
     ``num_gpus``: GPUs per actor (``None``: 1 when the cluster has one per worker, else 0).
+    ``strategy``: ``replicate`` (:class:`DPWorker`) or ``fsdp`` (:class:`FSDPWorker`, with
+    ``cpu_offload``; the weights come back in buckets of at most ``bucket_bytes``).
     """
 
     def __init__(
@@ -264,7 +653,14 @@ class RayDPTrainer:
         worker_num_cpus: float = 1.0,
         num_gpus: float | None = None,
         timeout_s: float = 300.0,
+        strategy: DPStrategy = "replicate",
+        cpu_offload: bool = False,
+        bucket_bytes: int = PUBLISH_BUCKET_BYTES,
     ) -> None:
+        if strategy not in ("replicate", "fsdp"):
+            raise ValueError(f"strategy must be 'replicate' or 'fsdp', got {strategy!r}")
+        if cpu_offload and strategy != "fsdp":
+            raise ValueError("cpu_offload needs strategy='fsdp'")
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         ray = require_ray()
@@ -278,28 +674,50 @@ class RayDPTrainer:
             num_gpus = 1.0 if float(ray.cluster_resources().get("GPU", 0.0)) >= num_workers else 0.0
         self.num_gpus = num_gpus
         self.dtype = next(trainer.model.parameters()).dtype
-        actor = ray.remote(DPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
-        self.workers = [
-            actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype)
-            for rank in range(num_workers)
-        ]
+        self.strategy: DPStrategy = strategy
+        self.cpu_offload = cpu_offload
+        self.bucket_bytes = bucket_bytes
+        if strategy == "fsdp":
+            actor = ray.remote(FSDPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
+            self.workers = [
+                actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype, cpu_offload)
+                for rank in range(num_workers)
+            ]
+        else:
+            actor = ray.remote(DPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
+            self.workers = [
+                actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype)
+                for rank in range(num_workers)
+            ]
         nodes = ray.get([w.node_address.remote() for w in self.workers])
         host = "127.0.0.1" if len(set(nodes)) == 1 else str(nodes[0])
         port = ray.get(self.workers[0].free_port.remote(host))
         backend = "nccl" if num_gpus > 0 and torch.distributed.is_nccl_available() else "gloo"
         joined = ray.get([w.join.remote(host, port, backend, timeout_s) for w in self.workers])
         self.backend: str = joined[0]
+        if strategy == "fsdp":
+            ray.get([w.setup.remote() for w in self.workers])
         self.last_shard_tokens: list[int] = []
         """Sequence tokens of each worker's shard in the latest step."""
         self.last_media_dtypes: dict[str, str] = {}
         """The dtype of each media key as the latest step's shards crossed to the workers."""
         self.last_weights_s = 0.0
         """Seconds of the latest step from "apply" until the driver held rank 0's new weights."""
+        self.last_rank_state_bytes: list[dict[str, int]] = []
+        """Each rank's resident training state after the latest update: ``params`` (its shards),
+        ``grads`` (before the update), ``optimizer`` (bytes of local tensors)."""
         self.sync_workers()
         logger.info("started %d Ray DP worker(s), %s group at %s:%d", num_workers, self.backend, host, port)
 
+    def _trainable_names(self) -> list[str]:
+        """The driver's trainable parameters' names, in the optimizer's order."""
+        return [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
+
     def sync_workers(self) -> None:
         """Give every worker the driver's weights, optimizer state and step count."""
+        if self.strategy == "fsdp":
+            self._sync_fsdp_workers()
+            return
         state = {
             "model": {k: v.detach().cpu() for k, v in self.trainer.model.state_dict().items()},
             "optimizer": _to_cpu(self.trainer.optimizer.state_dict()),
@@ -311,12 +729,44 @@ class RayDPTrainer:
         ref = self.ray.put(state)
         self.ray.get([w.load.remote(ref) for w in self.workers])
 
+    def _sync_fsdp_workers(self) -> None:
+        """Rank 0 gets the full fp32 weights and broadcasts each rank its shard; every rank the rest."""
+        lead, light = fsdp_load_states(self.trainer)
+        refs = [self.ray.put(lead), self.ray.put(light)]
+        self.ray.get(
+            [w.load.remote(refs[0] if rank == 0 else refs[1]) for rank, w in enumerate(self.workers)]
+        )
+
     def pull_optimizer_state(self) -> None:
         """Load rank 0's optimizer state into the driver's (every worker's is the same): for checkpoints.
 
-        The driver's weights already are rank 0's (loaded after every step).
+        The driver's weights already are rank 0's (loaded after every step). With ``fsdp`` every rank
+        gathers the full state (``get_optimizer_state_dict``), rank 0 returns it keyed by name.
         """
+        if self.strategy == "fsdp":
+            got = self.ray.get([w.optimizer_state.remote() for w in self.workers])[0]
+            self.trainer.optimizer.load_state_dict(_indexed_optimizer_state(got, self._trainable_names()))
+            return
         self.trainer.optimizer.load_state_dict(self.ray.get(self.workers[0].optimizer_state.remote()))
+
+    def _publish_from_shards(self) -> None:
+        """Stream the sharded weights into the driver's policy, one bucket of full tensors at a time."""
+        params = dict(self.trainer.model.named_parameters())
+        buckets: list[list[str]] = [[]]
+        size = 0
+        for name, p in params.items():
+            nbytes = p.numel() * p.element_size()
+            if buckets[-1] and size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(name)
+            size += nbytes
+        with torch.no_grad():
+            for names in buckets:
+                got = self.ray.get([w.gather.remote(names, self.dtype) for w in self.workers])[0]
+                for name in names:
+                    params[name].copy_(got[name])
+                del got
 
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
@@ -327,7 +777,12 @@ class RayDPTrainer:
             return summarize(
                 batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated, skipped=skipped
             )
-        shards = policy_shards(batch, self.num_workers, self.dtype)
+        shards = policy_shards(batch, self.num_workers, self.trainer.config.torch_dtype)
+        if self.strategy == "fsdp":  # every rank runs the same passes: an empty shard gets masked rows
+            donor = min((s for s in shards if len(s)), key=len)
+            shards = [
+                s if len(s) else replace(donor, loss_mask=torch.zeros_like(donor.loss_mask)) for s in shards
+            ]
         self.last_shard_tokens = [s.num_tokens for s in shards]
         self.last_media_dtypes = {
             k: str(v.dtype).removeprefix("torch.")
@@ -356,10 +811,14 @@ class RayDPTrainer:
         applied = time.perf_counter()
         lr = self.trainer.config.lr_at(self.trainer.steps + 1)  # what every worker's apply uses
         outs = self.ray.get([w.apply.remote(rank == 0) for rank, w in enumerate(self.workers)])
-        norm, weights = outs[0]
-        assert weights is not None
-        with torch.no_grad():
-            self.trainer.model.load_state_dict(weights)
+        norm, weights, _ = outs[0]
+        self.last_rank_state_bytes = [held for _, _, held in outs]
+        if self.strategy == "fsdp":
+            self._publish_from_shards()
+        else:
+            assert weights is not None
+            with torch.no_grad():
+                self.trainer.model.load_state_dict(weights)
         self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
         return summarize(

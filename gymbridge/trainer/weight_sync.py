@@ -96,18 +96,26 @@ def copy_weights(source: Any, target: Any) -> int:
     """Copy ``source``'s weights into ``target``'s own tensors in place; returns how many entries.
 
     Both models must have the same layout (:func:`~gymbridge.generation.weights.check_layout`),
-    else :class:`WeightSyncError` lists every mismatch and nothing is copied.
+    else :class:`WeightSyncError` lists every mismatch and nothing is copied. A floating tensor is
+    cast to the receiver's floating dtype (fp32 master weights into a bf16 generator); names,
+    shapes and every other dtype must match.
     """
     from gymbridge.generation.weights import TensorSpec
 
     named = named_weights(source)
-    specs = [TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in named]
+    own = target.state_dict()
+
+    def sent_as(name: str, t: torch.Tensor) -> str:
+        mine = own.get(name)
+        cast = mine is not None and t.is_floating_point() and mine.is_floating_point()
+        return str(mine.dtype if cast and mine is not None else t.dtype).removeprefix("torch.")
+
+    specs = [TensorSpec(n, tuple(t.shape), sent_as(n, t)) for n, t in named]
     problems = check_layout(specs, target)
     if problems:
         raise WeightSyncError(
             "the generator's model does not match the trainer's: " + "; ".join(problems[:8])
         )
-    own = target.state_dict()
     with torch.no_grad():
         for name, tensor in named:
             own[name].copy_(tensor)

@@ -110,6 +110,7 @@ def test_a_default_run_always_leaves_a_final_checkpoint(
         "checkpoints",
         "config.yaml",
         "dataset.jsonl",
+        "export",
         "failures.jsonl",
         "media",
         "metrics.jsonl",
