@@ -9,11 +9,17 @@ Three tables from one run (every rank is a ``torch.multiprocessing`` process run
 * **resident bytes** per rank (parameters, gradients, AdamW state) for N = 1, 2, 4 ranks, ``replicate``
   (a whole replica: what a ``DPWorker`` holds, measured in one process) vs ``fsdp``, on a random
   Qwen2-VL scaled to tens of millions of parameters;
-* **publication**: the weights gathered from the shards in ``--bucket-mb`` buckets to rank 0
-  (``FSDPWorker.gather``), vs a raw ``torch.distributed.broadcast`` of the same bytes in buckets
-  of the same size, in the same group.
+* **publication** (real Ray actors, one ``RayDPTrainer`` per N, the scaled Qwen2-VL in fp32): the
+  whole policy in ``--bucket-mb`` buckets, timed four ways in one group, best of ``--repeats``:
+  *gather* (every rank's ``FSDPWorker.gather``: its rows into one flat buffer, one ``gather`` to
+  rank 0; slowest rank), *gather + Ray* (``RayDPTrainer._publish_from_shards``: the same, rank 0's
+  buffers through Ray to the driver and into its policy), *broadcast* (a raw
+  ``torch.distributed.broadcast`` of the same bytes in the same buckets; slowest rank) and
+  *broadcast + Ray* (that, with rank 0 returning each bucket's bytes to the driver, which copies
+  them). N = 1 has no collective: its ratios only show the packing and Ray costs.
 
     .venv/bin/python benchmarks/fsdp_bench.py [--ranks 1 2 4] [--families ...] [--bucket-mb 64]
+        [--repeats 3] [--only parity bytes publish]
 
 Writes nothing (``--json PATH`` writes the numbers there).
 """
@@ -148,38 +154,13 @@ def _rank_main(rank: int, world: int, port: int, job: dict[str, Any], out: Any) 
     _, _, held = worker.apply(False)
     result["held"] = held
     result["loss"] = sum(losses)
-    trainer = worker._trainer()
-    names = [n for n, _ in trainer.model.named_parameters()]
-    sizes = {n: p.numel() * 4 for n, p in trainer.model.named_parameters()}
-    buckets: list[list[str]] = [[]]
-    size = 0
-    for n in names:
-        if buckets[-1] and size + sizes[n] > job["bucket_bytes"]:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(n)
-        size += sizes[n]
-    dist.barrier()
-    started = time.perf_counter()
-    gathered: dict[str, torch.Tensor] = {}
-    for bucket in buckets:
-        got = worker.gather(bucket, torch.float32)
-        if got is not None and job["kind"] == "parity":
-            gathered.update(got)
-        del got
-    dist.barrier()
-    result["gather_s"] = time.perf_counter() - started
-    started = time.perf_counter()
-    for bucket in buckets:
-        flat = torch.zeros(sum(sizes[n] for n in bucket) // 4)
-        dist.broadcast(flat, src=0)
-        del flat
-    dist.barrier()
-    result["broadcast_s"] = time.perf_counter() - started
-    result["bytes"] = sum(sizes.values())
-    if rank == 0 and job["kind"] == "parity":
-        want = result.pop("want")
-        result["max_param_diff"] = max(float((gathered[n] - want[n]).abs().max()) for n in names)
+    if job["kind"] == "parity":  # the published weights: one bucket of everything, gathered to rank 0
+        names = [n for n, _ in worker._trainer().model.named_parameters()]
+        got = worker.gather(names, torch.float32)
+        if got is not None:
+            gathered = got.tensors()
+            want = result.pop("want")
+            result["max_param_diff"] = max(float((gathered[n] - want[n]).abs().max()) for n in names)
     worker.close()
     out.put(result)
 
@@ -219,6 +200,88 @@ def replicated_bytes(job: dict[str, Any]) -> dict[str, int]:
     return {**resident_bytes(trainer.model, trainer.optimizer).as_dict(), "grads": grads}
 
 
+def _timed_worker_class() -> type:
+    """``FSDPWorker`` with the benchmark's timing calls (its actors run the real ``gather``)."""
+    from gymbridge.trainer.ray_dp import FSDPWorker
+
+    class TimedFSDPWorker(FSDPWorker):
+        def time_gather(self, buckets: list[list[str]], dtype: torch.dtype) -> float:
+            import torch.distributed as dist
+
+            dist.barrier()
+            started = time.perf_counter()
+            for names in buckets:
+                self.gather(names, dtype)
+            dist.barrier()
+            return time.perf_counter() - started
+
+        def time_broadcast(self, sizes: list[int]) -> float:
+            import torch.distributed as dist
+
+            dist.barrier()
+            started = time.perf_counter()
+            for nbytes in sizes:
+                dist.broadcast(torch.zeros(nbytes, dtype=torch.uint8), src=0)
+            dist.barrier()
+            return time.perf_counter() - started
+
+        def broadcast_bucket(self, nbytes: int) -> Any:
+            import torch.distributed as dist
+
+            flat = torch.zeros(nbytes, dtype=torch.uint8)
+            dist.broadcast(flat, src=0)
+            return flat.numpy() if self.rank == 0 else None
+
+    return TimedFSDPWorker
+
+
+def publication(n: int, bucket_bytes: int, repeats: int) -> dict[str, Any]:
+    """The four publication timings (module docstring) on ``n`` Ray FSDP actors, best of ``repeats``."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from gymbridge.trainer import GRPOConfig, GRPOTrainer, RayDPTrainer, init_ray, ray_dp
+    from gymbridge.trainer.models import from_config
+
+    ray = init_ray(num_cpus=2)
+    config = scaled_qwen2_vl_config()
+    torch.manual_seed(0)
+    model = from_config(Qwen2VLForConditionalGeneration, config)
+    factory = functools.partial(from_config, Qwen2VLForConditionalGeneration, config)
+    trainer = GRPOTrainer(model, GRPOConfig(lr=1e-3, encoder_dedup=False), on_policy=False)
+    plain, ray_dp.FSDPWorker = ray_dp.FSDPWorker, _timed_worker_class()  # type: ignore[misc]
+    try:
+        dp = RayDPTrainer(trainer, factory, n, worker_num_cpus=0, strategy="fsdp", bucket_bytes=bucket_bytes)
+    finally:
+        ray_dp.FSDPWorker = plain  # type: ignore[misc]
+    params = dict(model.named_parameters())
+    buckets = dp.publish_buckets()
+    sizes = [sum(params[k].numel() * params[k].element_size() for k in names) for names in buckets]
+    sink = torch.empty(max(sizes), dtype=torch.uint8)
+    want = {k: v.detach().clone() for k, v in params.items()}
+    best: dict[str, float] = {}
+    try:
+        for _ in range(repeats):
+            times = {"gather_s": max(ray.get([w.time_gather.remote(buckets, dp.dtype) for w in dp.workers]))}
+            with torch.no_grad():
+                for p in params.values():
+                    p.zero_()
+            started = time.perf_counter()
+            dp._publish_from_shards()
+            times["gather_ray_s"] = time.perf_counter() - started
+            assert all(torch.equal(params[k], want[k]) for k in want), "publication changed the weights"
+            times["broadcast_s"] = max(ray.get([w.time_broadcast.remote(sizes) for w in dp.workers]))
+            started = time.perf_counter()
+            for nbytes in sizes:
+                got = ray.get([w.broadcast_bucket.remote(nbytes) for w in dp.workers])[0]
+                sink[:nbytes].copy_(torch.from_numpy(got))
+                del got
+            times["broadcast_ray_s"] = time.perf_counter() - started
+            best = {k: min(v, best.get(k, v)) for k, v in times.items()}
+    finally:
+        dp.shutdown()
+    return {"bytes": sum(sizes), "buckets": len(buckets), **best}
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:8.2f}"
 
@@ -232,52 +295,65 @@ def main() -> None:
     parser.add_argument("--families", nargs="*", default=sorted(TINY_FAMILIES))
     parser.add_argument("--ranks", nargs="*", type=int, default=[1, 2, 4])
     parser.add_argument("--bucket-mb", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="publication: best of this many")
+    parser.add_argument("--only", nargs="*", default=["parity", "bytes", "publish"])
     parser.add_argument("--json", default=None, help="also write the numbers to this path")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     bucket_bytes = args.bucket_mb << 20
     report: dict[str, Any] = {"parity": {}, "bytes": {}, "publish": {}}
 
-    print("parity: one fp32 GRPO step, 2 FSDP ranks vs one process (text-only batch)")
-    print(f"{'family':<14} {'|d loss|':>10} {'max |d param|':>14}")
-    for family in args.families:
-        res = run_group({"kind": "parity", "model": family, "bucket_bytes": bucket_bytes}, 2)[0]
-        d_loss = abs(res["loss"] - res["want_loss"])
-        report["parity"][family] = {"loss_diff": d_loss, "max_param_diff": res["max_param_diff"]}
-        print(f"{family:<14} {d_loss:>10.2e} {res['max_param_diff']:>14.2e}")
+    if "parity" in args.only:
+        print("parity: one fp32 GRPO step, 2 FSDP ranks vs one process (text-only batch)")
+        print(f"{'family':<14} {'|d loss|':>10} {'max |d param|':>14}")
+        for family in args.families:
+            res = run_group({"kind": "parity", "model": family, "bucket_bytes": bucket_bytes}, 2)[0]
+            d_loss = abs(res["loss"] - res["want_loss"])
+            report["parity"][family] = {"loss_diff": d_loss, "max_param_diff": res["max_param_diff"]}
+            print(f"{family:<14} {d_loss:>10.2e} {res['max_param_diff']:>14.2e}")
 
-    job = {"kind": "bytes", "model": "scaled", "bucket_bytes": bucket_bytes}
-    rep = replicated_bytes(job)
-    total = sum(rep.values())
-    print(f"\nresident state per rank, MiB (scaled Qwen2-VL, {rep['params'] / 4 / 1e6:.1f}M fp32 parameters)")
-    print(
-        f"{'N':>2} {'strategy':<10} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} {'/ replicate':>11}"
-    )
-    publish_rows = []
-    for n in args.ranks:
+    if "bytes" in args.only:
+        job = {"kind": "bytes", "model": "scaled", "bucket_bytes": bucket_bytes}
+        rep = replicated_bytes(job)
+        total = sum(rep.values())
         print(
-            f"{n:>2} {'replicate':<10} {_mib(rep['params'])} {_mib(rep['grads'])} {_mib(rep['optimizer'])} "
-            f"{_mib(total)} {1.0:>11.3f}"
+            f"\nresident state per rank, MiB (scaled Qwen2-VL, {rep['params'] / 4 / 1e6:.1f}M fp32 "
+            "parameters)"
         )
-        results = run_group(job, n)
-        worst = max(results, key=lambda r: sum(r["held"].values()))["held"]
-        ratio = sum(worst.values()) / total
-        report["bytes"][n] = {"replicate": rep, "fsdp_max_rank": worst, "ratio": ratio}
         print(
-            f"{n:>2} {'fsdp':<10} {_mib(worst['params'])} {_mib(worst['grads'])} {_mib(worst['optimizer'])} "
-            f"{_mib(sum(worst.values()))} {ratio:>11.3f}"
+            f"{'N':>2} {'strategy':<10} {'params':>8} {'grads':>8} {'optim':>8} {'total':>8} "
+            f"{'/ replicate':>11}"
         )
-        gather_s = max(r["gather_s"] for r in results)
-        bcast_s = max(r["broadcast_s"] for r in results)
-        publish_rows.append((n, results[0]["bytes"], gather_s, bcast_s))
-        report["publish"][n] = {"bytes": results[0]["bytes"], "gather_s": gather_s, "broadcast_s": bcast_s}
+        for n in args.ranks:
+            print(
+                f"{n:>2} {'replicate':<10} {_mib(rep['params'])} {_mib(rep['grads'])} "
+                f"{_mib(rep['optimizer'])} {_mib(total)} {1.0:>11.3f}"
+            )
+            results = run_group(job, n)
+            worst = max(results, key=lambda r: sum(r["held"].values()))["held"]
+            ratio = sum(worst.values()) / total
+            report["bytes"][n] = {"replicate": rep, "fsdp_max_rank": worst, "ratio": ratio}
+            print(
+                f"{n:>2} {'fsdp':<10} {_mib(worst['params'])} {_mib(worst['grads'])} "
+                f"{_mib(worst['optimizer'])} {_mib(sum(worst.values()))} {ratio:>11.3f}"
+            )
 
-    print(f"\npublication of the whole policy, {args.bucket_mb} MiB buckets (slowest rank)")
-    print(f"{'N':>2} {'MiB':>8} {'gather from shards s':>21} {'raw broadcast s':>16} {'ratio':>7}")
-    for n, nbytes, gather_s, bcast_s in publish_rows:
+    if "publish" in args.only:
         print(
-            f"{n:>2} {_mib(nbytes)} {gather_s:>21.3f} {bcast_s:>16.3f} {gather_s / max(bcast_s, 1e-9):>7.2f}"
+            f"\npublication of the whole policy (scaled Qwen2-VL, fp32), {args.bucket_mb} MiB buckets, "
+            f"Ray actors on gloo, best of {args.repeats}; ratios: / raw broadcast"
         )
+        head = f"{'N':>2} {'MiB':>8} {'gather s':>9} {'+Ray s':>8} {'bcast s':>8} {'bcast+Ray s':>12}"
+        print(f"{head} {'gather/bc':>10} {'+Ray/bc':>8} {'+Ray/bc+Ray':>12}")
+        for n in args.ranks:
+            r = publication(n, bucket_bytes, args.repeats)
+            report["publish"][n] = r
+            bc, bcr = max(r["broadcast_s"], 1e-9), max(r["broadcast_ray_s"], 1e-9)
+            print(
+                f"{n:>2} {_mib(r['bytes'])} {r['gather_s']:>9.3f} {r['gather_ray_s']:>8.3f} "
+                f"{r['broadcast_s']:>8.3f} {r['broadcast_ray_s']:>12.3f} {r['gather_s'] / bc:>10.2f} "
+                f"{r['gather_ray_s'] / bc:>8.2f} {r['gather_ray_s'] / bcr:>12.2f}"
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2, default=str)

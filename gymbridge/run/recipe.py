@@ -109,6 +109,8 @@ class GRPORun:
         self._set_up = False
         self._done_task_indices: frozenset[int] = frozenset()
         self._resuming = False
+        self._resumed_shards: Path | None = None
+        """A sharded checkpoint this run resumed from, whose slices the FSDP workers load."""
         self._checkpointed = 0
         # set by setup()
         self.run_dir: RunDir
@@ -317,8 +319,11 @@ class GRPORun:
         # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
         self.trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.bridge.max_staleness == 0)
         if self._resuming:
-            state = load_checkpoint(self.run_dir.checkpoints_path, trainer=self.trainer)
+            fsdp = bool(cfg.dp.workers) and cfg.dp.strategy == "fsdp"
+            # fsdp: the workers load their slices of a sharded checkpoint's optimizer state, not the driver
+            state = load_checkpoint(self.run_dir.checkpoints_path, trainer=self.trainer, optimizer=not fsdp)
             assert state is not None  # latest_step() found it
+            self._resumed_shards = state.path if state.sharded and fsdp else None
             moved = self.run_dir.rewind(last_step=state.step, done_task_indices=state.done_task_indices)
             self.version = state.policy_version
             self.first_step = self.next_step = state.step + 1
@@ -433,12 +438,16 @@ class GRPORun:
             bucket_bytes=cfg.generator.bucket_mb << 20,
         )
         self._stack.callback(self.dp.shutdown)
+        if self._resumed_shards is not None:  # seeded with the driver's weights; now the saved slices
+            self.dp.load_sharded_checkpoint(self._resumed_shards)
+        if strategy == "fsdp" and self.trainer.reference is not None:
+            self.trainer.reference = None  # the workers hold it, sharded; their checkpoints save it
         self._update = self.dp.step
         how = (
             "gradients all-reduced in the group, rank 0's weights published"
             if strategy == "replicate"
-            else "parameters, gradients and optimizer state sharded (FSDP2), weights streamed from the "
-            f"shards in {cfg.generator.bucket_mb} MiB buckets"
+            else "parameters, gradients, optimizer state and KL reference sharded (FSDP2), weights "
+            f"streamed from the shards in {cfg.generator.bucket_mb} MiB buckets"
             + (", CPU offload" if cfg.dp.cpu_offload else "")
         )
         self.say(
@@ -563,21 +572,36 @@ class GRPORun:
         }
 
     async def save_checkpoint(self, step: int) -> Path:
-        """Write the checkpoint of ``step`` (weights, optimizer, RNG, the rows done)."""
-        from gymbridge.trainer.checkpoint import save_checkpoint
+        """Write the checkpoint of ``step`` (weights, optimizer, RNG, the rows done).
 
-        if self.dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
-            # fsdp: the full optimizer state gathered from the shards (a sharded DCP format would
-            # skip the gather: RayDPTrainer.pull_optimizer_state is the one seam)
-            await asyncio.to_thread(self.dp.pull_optimizer_state)
+        ``fsdp`` workers write their own slices into ``step-<s>/`` (the driver never holds the
+        optimizer state); otherwise the driver writes one file, with rank 0's optimizer state."""
+        from gymbridge.trainer.checkpoint import save_checkpoint, save_sharded_checkpoint
+
         self._checkpointed = step
+        # the rows this process consumed and those its checkpoint had (a resumed run's bridge skips
+        # them and knows only its own): a resume of a resumed run must not train them again
+        done = set(self.bridge.done_task_indices) | self._done_task_indices
+        if self.dp is not None and self.dp.strategy == "fsdp":
+            return await asyncio.to_thread(
+                save_sharded_checkpoint,
+                self.run_dir.checkpoints_path,
+                step=step,
+                policy_version=self.version,
+                trainer=self.trainer,
+                done_task_indices=done,
+                write_shards=self.dp.save_sharded_checkpoint,
+                keep=self.config.checkpoint.keep_last,
+            )
+        if self.dp is not None:  # the driver holds rank 0's weights; its optimizer state too now
+            await asyncio.to_thread(self.dp.pull_optimizer_state)
         return await asyncio.to_thread(
             save_checkpoint,
             self.run_dir.checkpoints_path,
             step=step,
             policy_version=self.version,
             trainer=self.trainer,
-            done_task_indices=set(self.bridge.done_task_indices),
+            done_task_indices=done,
             keep=self.config.checkpoint.keep_last,
         )
 

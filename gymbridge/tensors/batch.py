@@ -292,6 +292,28 @@ class TrainBatch:
                 seen.extend(k for k in keys if k not in seen)
         return out
 
+    def modality_rows(self) -> dict[str, torch.Tensor]:
+        """Per modality of this batch's media, bool ``[B]``: the rows holding at least one item of it
+        (by media key, as the model's forward sees them; unknown keys count as their own modality)."""
+        from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
+
+        out: dict[str, torch.Tensor] = {}
+        for key, packed in self.media.items():
+            modality = MEDIA_KEY_MODALITY.get(key, key)
+            has = packed.segment_counts() > 0
+            out[modality] = out[modality] | has if modality in out else has
+        return out
+
+    def without_loss(self) -> TrainBatch:
+        """A copy whose rows train nothing: loss mask 0, ``sample_mask`` False, advantage 0 (their
+        tokens and media still run through a forward, e.g. to keep FSDP ranks in lockstep)."""
+        return replace(
+            self,
+            loss_mask=torch.zeros_like(self.loss_mask),
+            sample_mask=torch.zeros_like(self.sample_mask),
+            advantages=torch.zeros_like(self.advantages),
+        )
+
     @property
     def media_physical_nbytes(self) -> int:
         return sum(p.physical_nbytes for p in self.media.values())

@@ -11,9 +11,17 @@ A checkpoint of step ``s`` (``DIR/checkpoints/``) is
   states and the iterator's position: the dataset rows whose group was consumed
   (``done_task_indices``: trained, failed or dropped). Groups in flight at the checkpoint
   are not in it, so a resumed run starts them again and trains each row once;
-* ``latest.json``: ``{"step", "state"}``, written **last** and atomically, so a
+* or, written by FSDP workers (:func:`save_sharded_checkpoint`), ``step-<s>/``: a folder holding
+  a :mod:`gymbridge.trainer.sharded_checkpoint` checkpoint (every rank's slices of the policy,
+  its AdamW state ``optim.<fqn>.<key>`` and the reference ``reference.<fqn>``; the optimizer's
+  scalar state and param groups in its ``index.json``), then ``run.state``: the driver's
+  :func:`~gymbridge.safe_io.save_state` file with the RNG tensors and the same JSON as above
+  less the optimizer's. The driver never holds the optimizer state; a folder loads on any number of
+  FSDP workers (each reads its slices), into one process, or into replicated workers;
+* ``latest.json``: ``{"format", "step", "state", "kind"}`` (``kind``: ``"file"`` or
+  ``"sharded"``; a pointer without one is a file's), written **last** and atomically, so a
   crash while a checkpoint is being written leaves ``latest.json`` on the previous one.
-  Older checkpoints than the ``keep`` newest are removed after it.
+  Older checkpoints (files and folders) than the ``keep`` newest are removed after it.
 
 Loading never executes code from the files: safetensors and JSON only (no pickle, no
 ``torch.load``). A missing, truncated, bit-flipped or edited file, or weights that do not fit
@@ -24,7 +32,9 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Iterable
+import re
+import shutil
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,10 +50,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunState", "latest_step", "load_checkpoint", "save_checkpoint"]
+__all__ = ["RunState", "latest_step", "load_checkpoint", "save_checkpoint", "save_sharded_checkpoint"]
 
 FORMAT = "gymbridge-run-checkpoint/1"
 LATEST = "latest.json"
+RUN_STATE = "run.state"
+"""The driver's file in a sharded checkpoint's folder: the run's counters and RNG states."""
+_KINDS = ("file", "sharded")
+_STEP_NAME = re.compile(r"^step-(\d+)(\.ckpt)?$")
 
 
 @dataclass(frozen=True)
@@ -55,7 +69,9 @@ class RunState:
     policy_version: int
     done_task_indices: frozenset[int]
     path: Path
-    """The ``.ckpt`` file it came from."""
+    """The ``.ckpt`` file or the sharded checkpoint's folder it came from."""
+    sharded: bool = False
+    """``path`` is a sharded checkpoint's folder (FSDP workers load their slices from it)."""
 
 
 def _rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -141,6 +157,45 @@ def save_checkpoint(
     if trainer.reference is not None:
         tensors.update({f"reference.{k}": v.detach() for k, v in trainer.reference.state_dict().items()})
     optim_tensors, optim_meta = _optimizer_state(trainer.optimizer)
+    rng_tensors, meta = _run_meta(step, policy_version, trainer, done_task_indices)
+    ckpt = root / f"{name}.ckpt"
+    save_state(ckpt, {**tensors, **optim_tensors, **rng_tensors}, {**meta, "optimizer": optim_meta})
+    _point_and_prune(root, step, ckpt, "file", keep)
+    return ckpt
+
+
+def save_sharded_checkpoint(
+    directory: str | Path,
+    *,
+    step: int,
+    policy_version: int,
+    trainer: GRPOTrainer,
+    done_task_indices: Iterable[int],
+    write_shards: Callable[[Path, dict[str, Any]], None],
+    keep: int = 2,
+) -> Path:
+    """Write the checkpoint of ``step`` as the folder ``directory/step-<s>/``; returns the folder.
+
+    ``write_shards(folder, meta)`` has the workers write their slices there
+    (:meth:`gymbridge.trainer.ray_dp.RayDPTrainer.save_sharded_checkpoint`: ``save_sharded`` on
+    every rank, ``meta`` added to its ``index.json``); then the driver writes :data:`RUN_STATE`
+    (``trainer``'s step count, the RNG states, the rows done: no weights, no optimizer state)
+    and ``latest.json``.
+    """
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    folder = root / _name(step)
+    write_shards(folder, {"run_step": step})
+    rng_tensors, meta = _run_meta(step, policy_version, trainer, done_task_indices)
+    save_state(folder / RUN_STATE, rng_tensors, {**meta, "kind": "sharded"})
+    _point_and_prune(root, step, folder, "sharded", keep)
+    return folder
+
+
+def _run_meta(
+    step: int, policy_version: int, trainer: GRPOTrainer, done_task_indices: Iterable[int]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The RNG tensors and the JSON every checkpoint holds (less the optimizer's)."""
     rng_tensors, rng_meta = _rng_state()
     meta = {
         "format": FORMAT,
@@ -148,18 +203,24 @@ def save_checkpoint(
         "policy_version": policy_version,
         "trainer_steps": trainer.steps,
         "done_task_indices": sorted(set(done_task_indices)),
-        "optimizer": optim_meta,
         "rng": rng_meta,
     }
-    ckpt = root / f"{name}.ckpt"
-    save_state(ckpt, {**tensors, **optim_tensors, **rng_tensors}, meta)
-    latest = {"format": FORMAT, "step": step, "state": ckpt.name}
+    return rng_tensors, meta
+
+
+def _point_and_prune(root: Path, step: int, state: Path, kind: str, keep: int) -> None:
+    """Write ``latest.json`` (last, atomically), then remove checkpoints older than the ``keep`` newest."""
+    latest = {"format": FORMAT, "step": step, "state": state.name, "kind": kind}
     write_atomic(root / LATEST, [orjson.dumps(latest)])
-    for old in sorted(root.glob("step-*.ckpt"))[:-keep] if keep > 0 else []:
-        if old.name != ckpt.name:
+    found = [(int(m[1]), p) for p in root.iterdir() if (m := _STEP_NAME.match(p.name)) is not None]
+    for _, old in sorted(found)[:-keep] if keep > 0 else []:
+        if old.name == state.name:
+            continue
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
             old.unlink(missing_ok=True)
-    logger.debug("checkpoint of step %d -> %s", step, ckpt)
-    return ckpt
+    logger.debug("checkpoint of step %d -> %s", step, state)
 
 
 def _latest(root: Path) -> dict[str, Any] | None:
@@ -179,6 +240,7 @@ def _latest(root: Path) -> dict[str, Any] | None:
         and latest.get("format") == FORMAT
         and isinstance(latest.get("step"), int)
         and isinstance(latest.get("state"), str)
+        and latest.setdefault("kind", "file") in _KINDS  # written before sharded checkpoints: a file
     )
     if not ok:
         raise CheckpointError(path, f"not a {FORMAT} pointer: {raw[:200]!r}")
@@ -186,6 +248,8 @@ def _latest(root: Path) -> dict[str, Any] | None:
     value = latest["state"]  # a plain file name inside the checkpoints folder, nothing else
     if Path(value).name != value or value.startswith("."):
         raise CheckpointError(path, f"state {value!r} is not a file name in {root}")
+    if latest["kind"] == "sharded" and _STEP_NAME.match(value) is None:
+        raise CheckpointError(path, f"state {value!r} is not a step-<s> folder")
     return dict(latest)
 
 
@@ -197,26 +261,30 @@ def latest_step(directory: str | Path) -> int | None:
     return None if latest is None else int(latest["step"])
 
 
-def load_checkpoint(directory: str | Path, *, trainer: GRPOTrainer) -> RunState | None:
+def load_checkpoint(
+    directory: str | Path, *, trainer: GRPOTrainer, optimizer: bool = True
+) -> RunState | None:
     """Restore the latest checkpoint under ``directory`` into ``trainer`` (weights, optimizer) and
-    the process RNGs; returns the run state, or ``None`` if there is none."""
+    the process RNGs; returns the run state, or ``None`` if there is none.
+
+    From a sharded checkpoint the weights are copied in one tensor at a time, and the optimizer
+    state only with ``optimizer`` (``False``: FSDP workers load their slices of it themselves,
+    :meth:`gymbridge.trainer.ray_dp.RayDPTrainer.load_sharded_checkpoint`, and the driver's
+    optimizer stays blank). A file's optimizer state is always loaded (it seeds the workers).
+    """
     root = Path(directory)
     latest = _latest(root)
     if latest is None:
         return None
+    if latest["kind"] == "sharded":
+        return _load_sharded(root / latest["state"], int(latest["step"]), trainer, optimizer)
     ckpt = root / latest["state"]
     tensors, meta = load_state(ckpt)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(ckpt, f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    step, version, trainer_steps, done, rng_meta = _check_run_meta(ckpt, meta, int(latest["step"]))
     try:
-        step, version = int(meta["step"]), int(meta["policy_version"])
-        trainer_steps = int(meta["trainer_steps"])
-        done = frozenset(int(i) for i in meta["done_task_indices"])
-        optim_meta, rng_meta = meta["optimizer"], meta["rng"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(ckpt, f"malformed run state: {type(exc).__name__}: {exc}") from exc
-    if step != latest["step"]:
-        raise CheckpointError(ckpt, f"holds step {step}, {LATEST} says {latest['step']}")
+        optim_meta = meta["optimizer"]
+    except KeyError as exc:
+        raise CheckpointError(ckpt, "malformed run state: no optimizer") from exc
     weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     try:
         trainer.model.load_state_dict(weights, strict=True)
@@ -235,3 +303,81 @@ def load_checkpoint(directory: str | Path, *, trainer: GRPOTrainer) -> RunState 
     trainer.steps = trainer_steps
     logger.info("resumed from %s (step %d, policy version %d, %d rows done)", ckpt, step, version, len(done))
     return RunState(step, version, done, ckpt)
+
+
+def _check_run_meta(
+    path: Path, meta: dict[str, Any], expected_step: int
+) -> tuple[int, int, int, frozenset[int], dict[str, Any]]:
+    """``(step, policy version, trainer steps, rows done, RNG meta)`` of a checkpoint's JSON."""
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(path, f"format {meta.get('format')!r}, expected {FORMAT!r}")
+    try:
+        step, version = int(meta["step"]), int(meta["policy_version"])
+        trainer_steps = int(meta["trainer_steps"])
+        done = frozenset(int(i) for i in meta["done_task_indices"])
+        rng_meta = meta["rng"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(path, f"malformed run state: {type(exc).__name__}: {exc}") from exc
+    if step != expected_step:
+        raise CheckpointError(path, f"holds step {step}, {LATEST} says {expected_step}")
+    return step, version, trainer_steps, done, rng_meta
+
+
+def _copy_weights(folder: Path, prefix: str, model: torch.nn.Module) -> None:
+    """Copy the checkpoint's ``prefix`` tensors into ``model``'s state dict, one whole tensor at a time."""
+    from gymbridge.trainer.sharded_checkpoint import INDEX_NAME, iter_full_tensors
+
+    targets = model.state_dict()
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, tensor in iter_full_tensors(folder, prefix=prefix):
+            key = name.removeprefix(prefix)
+            target = targets.get(key)
+            if target is None or target.shape != tensor.shape:
+                got = "nothing" if target is None else f"shape {list(target.shape)}"
+                raise CheckpointError(
+                    folder / INDEX_NAME, f"{name!r} {list(tensor.shape)} does not fit this model ({got})"
+                )
+            target.copy_(tensor)
+            seen.add(key)
+    if missing := sorted(set(targets) - seen):
+        what = "a reference policy" if prefix == "reference." else "these weights"
+        raise CheckpointError(
+            folder / INDEX_NAME, f"holds no {what} for {len(missing)} tensors, e.g. {missing[:3]}"
+        )
+
+
+def _load_sharded(folder: Path, expected_step: int, trainer: GRPOTrainer, optimizer: bool) -> RunState:
+    from gymbridge.trainer.sharded_checkpoint import INDEX_NAME, full_optimizer_state, read_meta
+
+    state = folder / RUN_STATE
+    tensors, meta = load_state(state)
+    step, version, trainer_steps, done, rng_meta = _check_run_meta(state, meta, expected_step)
+    shards_meta = read_meta(folder)  # every index checked: a folder without index.json is no checkpoint
+    if shards_meta.get("run_step") != step:
+        raise CheckpointError(
+            folder / INDEX_NAME, f"holds step {shards_meta.get('run_step')!r}, {RUN_STATE} says {step}"
+        )
+    _copy_weights(folder, "model.", trainer.model)
+    if trainer.reference is not None:
+        _copy_weights(folder, "reference.", trainer.reference)
+    if optimizer:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        osd: Any = full_optimizer_state(folder)  # FQN-keyed, as the workers' optimizers saved it
+        try:
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, osd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                folder / INDEX_NAME, f"optimizer state does not fit: {type(exc).__name__}: {exc}"
+            ) from exc
+    _set_rng_state(state, tensors, rng_meta)
+    trainer.steps = trainer_steps
+    logger.info(
+        "resumed from %s (sharded, step %d, policy version %d, %d rows done)",
+        folder,
+        step,
+        version,
+        len(done),
+    )
+    return RunState(step, version, done, folder, sharded=True)

@@ -253,9 +253,8 @@ def _sharded_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise CheckpointError(
             folder, "a sharded checkpoint (index.json), but this gymbridge cannot read that format"
         ) from exc
-    for name, tensor in sharded.iter_full_tensors(folder):
-        if name.startswith("model."):
-            yield name.removeprefix("model."), tensor
+    for name, tensor in sharded.iter_full_tensors(folder, prefix="model."):  # optimizer state never read
+        yield name.removeprefix("model."), tensor
 
 
 # ---------------------------------------------------------------------------- names and weights
@@ -373,7 +372,7 @@ def write_hf_weights(
         save_file(shard, str(path), metadata={"format": "pt"})
         written.append((path, list(shard)))
         info = ShardWritten(len(written), path, len(shard), shard_bytes)
-        logger.info(
+        logger.debug(  # progress reaches a person through on_shard (the CLI prints each shard)
             "wrote weights shard %d: %d tensors, %.1f MiB", info.index, len(shard), shard_bytes / 2**20
         )
         if on_shard is not None:

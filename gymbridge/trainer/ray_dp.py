@@ -30,13 +30,16 @@ state. Gradients accumulate with ``loss.backward()`` and FSDP reduce-scatters (s
 backward, so every rank must run the same forward and backward passes: before the first forward the
 ranks check their micro-batches (placeholders, media keys), exchange a failure flag and each
 micro-batch's media signature, and a rank with fewer passes of a signature runs zero-weighted
-repeats of one of its own (:func:`lockstep_plan`; a text-only repeat may be a micro-batch with its
-media stripped, but a rank with no image at all cannot match a peer's image pass: that step
-raises on every rank, see the plan). A failure after that point (a forward
+repeats of one of its own (:func:`lockstep_plan`; a repeat may be a micro-batch with some or all of
+its media stripped). So that every rank has something to repeat, the driver gives a shard with no
+row of a modality the batch holds one masked row of it, copied from a peer's shard
+(:func:`lockstep_shards`). A failure after that point (a forward
 that raises on one rank only) leaves its peers waiting until the group's ``timeout_s``. After the
-step the weights reach the driver as a stream of full tensors, gathered one parameter at a time
-into buckets of at most ``bucket_bytes``; rank 0 returns one bucket per call and the driver copies
-it into its policy, so no process holds a second whole model.
+step the weights reach the driver in buckets of at most ``bucket_bytes``: per bucket every rank
+copies its rows of the bucket's parameters into one flat buffer and one ``gather`` brings the
+buffers to rank 0, which returns them (numpy, out of band through Ray); the driver copies each
+rank's rows into its policy while the ranks gather the next bucket, so no process holds more than
+two buckets, never a second whole model.
 
 The step in detail and why replicate is an explicit all-reduce rather than DDP: docs/dp.md.
 """
@@ -51,6 +54,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -70,6 +74,7 @@ from gymbridge.trainer.grpo import (
 if TYPE_CHECKING:
     from gymbridge.metrics import PayloadMeter
     from gymbridge.tensors import TrainBatch
+    from gymbridge.trainer.sharding import GatheredBucket
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +87,7 @@ __all__ = [
     "fsdp_load_states",
     "init_ray",
     "lockstep_plan",
+    "lockstep_shards",
     "param_digest",
     "policy_shards",
     "require_ray",
@@ -156,6 +162,48 @@ def policy_shards(batch: TrainBatch, num_workers: int, dtype: torch.dtype) -> li
     ``batch`` itself is not changed (the Gym's return keeps its dtype).
     """
     return [s.cast_media(dtype) for s in batch.shard(num_workers, group_aware=True)]
+
+
+LOCKSTEP_COPY = "lockstep_copy"
+"""The metadata key marking a row :func:`lockstep_shards` added (a masked copy of a peer's row)."""
+
+
+def _lockstep_copy(row: TrainBatch) -> TrainBatch:
+    masked = row.without_loss()
+    return replace(masked, metadata=tuple({**m, LOCKSTEP_COPY: True} for m in masked.metadata))
+
+
+def lockstep_shards(shards: list[TrainBatch]) -> list[TrainBatch]:
+    """``shards`` with masked rows added, so that every FSDP rank can run every pass a peer runs.
+
+    For each modality some shard's rows hold, a shard without such a row gets a copy of the
+    shortest row holding it (from another shard, its media with it) with ``without_loss`` and
+    marked :data:`LOCKSTEP_COPY`; an empty shard of a batch without media gets the shortest row of
+    the batch the same way. Added rows come after the shard's own; they train nothing, the worker
+    runs them only as uncounted repeats, and the step's metrics read the whole batch, not the shards.
+    """
+    from gymbridge.tensors import TrainBatch
+
+    rows = [{m: has for m, has in s.modality_rows().items() if bool(has.any())} for s in shards]
+    modalities = sorted({m for r in rows for m in r})
+    candidates = [(int(n), j, k) for j, s in enumerate(shards) for k, n in enumerate(s.lengths.tolist())]
+    out = list(shards)
+    for i, shard in enumerate(shards):
+        picked: list[tuple[int, int]] = []
+        held = set(rows[i])
+        if not len(shard) and not modalities:
+            _, j, k = min(candidates)
+            picked.append((j, k))
+        for m in modalities:
+            if m in held:
+                continue
+            _, j, k = min(c for c in candidates if m in rows[c[1]] and bool(rows[c[1]][m][c[2]]))
+            picked.append((j, k))
+            held |= {mm for mm, has in rows[j].items() if bool(has[k])}
+        if picked:
+            added = [_lockstep_copy(shards[j].select([k])) for j, k in picked]
+            out[i] = TrainBatch.cat([shard, *added]).trim() if len(shard) else TrainBatch.cat(added).trim()
+    return out
 
 
 class _GroupRank:
@@ -316,23 +364,38 @@ def _media_signature(mb: TrainBatch) -> Signature:
     return tuple(sorted({MEDIA_KEY_MODALITY.get(k, k) for k, v in mb.media.items() if v.num_refs}))
 
 
-def lockstep_plan(signatures: list[list[tuple[Signature, bool]]], rank: int) -> list[tuple[int, bool, bool]]:
+def _repeat_source(own: list[tuple[Signature, bool]], sig: Signature) -> tuple[int, Signature] | None:
+    """A micro-batch to repeat as a pass of ``sig``: one of that signature, else the first whose
+    signature holds ``sig``, with the modalities to strip from it; ``None`` when there is none."""
+    same = [i for i, (s, _) in enumerate(own) if s == sig]
+    if same:
+        return same[0], ()
+    wider = [i for i, (s, _) in enumerate(own) if set(sig) <= set(s)]
+    if wider:
+        return wider[0], tuple(m for m in own[wider[0]][0] if m not in sig)
+    return None
+
+
+def lockstep_plan(
+    signatures: list[list[tuple[Signature, bool]]], rank: int
+) -> list[tuple[int, bool, Signature]]:
     """``rank``'s FSDP passes, given every rank's micro-batches as ``(signature, holds a loss token)``.
 
-    Each pass is ``(index of one of its micro-batches, counted, strip its media)``. Passes go
-    signature by signature (sorted), every rank running the most passes any rank has of it: its own
-    micro-batches holding a loss token (counted), then repeats of one of its micro-batches of that
-    signature (not counted). A rank with none of the text-only signature repeats any micro-batch
-    with its media stripped. Every rank computes the same plan shape; a rank lacking a media
-    signature that a peer runs cannot match it: :class:`TrainingError` (the same on every rank).
+    Each pass is ``(index of one of its micro-batches, counted, modalities to strip from it)``.
+    Passes go signature by signature (sorted), every rank running the most passes any rank has of
+    it: its own micro-batches holding a loss token (counted), then repeats (not counted) of one of
+    its micro-batches of that signature, else of one whose signature holds it, with the other
+    modalities' media stripped (any micro-batch stripped of all media is a text-only pass). Every
+    rank computes the same plan shape; a rank with no micro-batch holding a signature that a peer
+    runs cannot match it: :class:`TrainingError` (the same on every rank). The driver prevents
+    that by giving every shard a masked row of every modality (:func:`lockstep_shards`).
     """
     target: dict[Signature, int] = {}
     for sigs in signatures:
         for sig in {s for s, _ in sigs}:
             target[sig] = max(target.get(sig, 0), sum(1 for s, loss in sigs if s == sig and loss))
     for r, sigs in enumerate(signatures):
-        have = {s for s, _ in sigs}
-        missing = [sig for sig, n in target.items() if n and sig not in have and (sig or not sigs)]
+        missing = [sig for sig, n in target.items() if n and _repeat_source(sigs, sig) is None]
         if missing:
             raise TrainingError(
                 f"fsdp: rank {r}'s shard has no micro-batch with media {list(missing[0]) or 'none'} "
@@ -340,27 +403,50 @@ def lockstep_plan(signatures: list[list[tuple[Signature, bool]]], rank: int) -> 
                 "dp.strategy=replicate for such batches"
             )
     own = signatures[rank]
-    passes: list[tuple[int, bool, bool]] = []
+    passes: list[tuple[int, bool, Signature]] = []
     for sig in sorted(target):
         mine = [i for i, (s, loss) in enumerate(own) if s == sig and loss]
-        passes += [(i, True, False) for i in mine]
+        passes += [(i, True, ()) for i in mine]
         short = target[sig] - len(mine)
         if short:
-            pool = [i for i, (s, _) in enumerate(own) if s == sig]
-            passes += [(pool[0], False, False) if pool else (0, False, True)] * short
+            source = _repeat_source(own, sig)
+            assert source is not None  # checked above
+            passes += [(source[0], False, source[1])] * short
     return passes
 
 
-def _text_only(mb: TrainBatch, model: Any) -> TrainBatch:
-    """``mb`` without its media, each placeholder token replaced by a text token (a lockstep pass)."""
+def _set_apart_copies(micro_batches: list[TrainBatch]) -> list[TrainBatch]:
+    """``micro_batches`` with the driver's masked copies (:func:`lockstep_shards`) moved out of them,
+    one micro-batch each at the end: they run only as uncounted repeats, never inside a counted pass
+    (whose metrics, encoder references included, would count them)."""
+    out: list[TrainBatch] = []
+    copies: list[TrainBatch] = []
+    for mb in micro_batches:
+        flags = [bool(meta.get(LOCKSTEP_COPY)) for meta in mb.metadata]
+        if not any(flags):
+            out.append(mb)
+            continue
+        keep = [i for i, copy in enumerate(flags) if not copy]
+        if keep:
+            out.append(mb.select(keep).trim())
+        copies += [mb.select([i]).trim() for i, copy in enumerate(flags) if copy]
+    return out + copies
+
+
+def _strip_media(mb: TrainBatch, model: Any, modalities: Signature) -> TrainBatch:
+    """``mb`` without its media of ``modalities``, their placeholder tokens replaced by a text token
+    (a lockstep pass)."""
     from gymbridge.families import family_of
+    from gymbridge.tensors.processor import MEDIA_KEY_MODALITY
 
     ids = mb.input_ids.clone()
-    placeholders = torch.tensor(sorted(set(family_of(model).placeholder_ids(model.config).values())))
-    hit = torch.isin(ids, placeholders)
-    text = ids[~hit]
-    ids[hit] = int(text[0]) if text.numel() else 0
-    return replace(mb, input_ids=ids, media={})
+    ph = family_of(model).placeholder_ids(model.config)
+    every = torch.tensor(sorted(set(ph.values())), dtype=ids.dtype)
+    gone = torch.tensor(sorted({v for m, v in ph.items() if m in modalities}), dtype=ids.dtype)
+    text = ids[~torch.isin(ids, every)]
+    ids[torch.isin(ids, gone)] = int(text[0]) if text.numel() else 0
+    media = {k: v for k, v in mb.media.items() if MEDIA_KEY_MODALITY.get(k, k) not in modalities}
+    return replace(mb, input_ids=ids, media=media)
 
 
 def _fqn_optimizer_state(osd: dict[str, Any], names: list[str]) -> dict[str, Any]:
@@ -496,6 +582,47 @@ class FSDPWorker(_GroupRank):
         )
         return dict(osd) if self.rank == 0 else None
 
+    def save_checkpoint(self, folder: str, meta: dict[str, Any]) -> int:
+        """Write this rank's slices of the policy, its AdamW state and the reference (``reference.<fqn>``)
+        to ``folder`` (:func:`~gymbridge.trainer.sharded_checkpoint.save_sharded`; all ranks call
+        it, rank 0 adds ``meta`` to the index); returns the bytes this rank wrote."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        from gymbridge.trainer.sharded_checkpoint import flatten_model_and_optimizer, save_sharded
+
+        trainer = self._trainer()
+        tensors, index_meta = flatten_model_and_optimizer(trainer.model, trainer.optimizer)
+        if trainer.reference is not None:
+            ref: Any = get_model_state_dict(trainer.reference)  # declared values: a union, all tensors here
+            tensors.update({f"reference.{k}": v for k, v in ref.items()})
+        return save_sharded(
+            folder, tensors, {**index_meta, **meta}, rank=self.rank, world_size=self.world_size
+        )
+
+    def load_checkpoint(self, folder: str, steps: int) -> None:
+        """Fill this rank's shards of the policy, its AdamW state and the reference from a sharded
+        checkpoint saved on any number of ranks (each rank reads only its slices); all ranks call it."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        from gymbridge.trainer.sharded_checkpoint import load_sharded, restore_model_and_optimizer
+
+        trainer = self._trainer()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        restore_model_and_optimizer(
+            trainer.model,
+            trainer.optimizer,
+            folder,
+            rank=self.rank,
+            world_size=self.world_size,
+            other_prefixes=("reference.",),
+        )
+        if trainer.reference is not None:
+            ref: Any = get_model_state_dict(trainer.reference)
+            targets = {f"reference.{k}": v for k, v in ref.items()}
+            load_sharded(folder, targets, rank=self.rank, world_size=self.world_size)
+            set_model_state_dict(trainer.reference, ref)
+        trainer.steps = steps
+
     def _full(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``p`` gathered whole (a collective: every rank calls it), on the CPU in ``dtype``."""
         from torch.distributed.tensor import DTensor
@@ -504,11 +631,30 @@ class FSDPWorker(_GroupRank):
             full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
             return full.to(device="cpu", dtype=dtype)
 
-    def gather(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        """Full tensors of the parameters ``names`` (every rank takes part), in ``dtype``, on rank 0 only."""
+    def gather(self, names: list[str], dtype: torch.dtype) -> GatheredBucket | None:
+        """The full parameters ``names`` in ``dtype``, on rank 0 only (every rank takes part).
+
+        One ``gather`` to rank 0 of every rank's flat buffer of its rows (``pack_shards``), cast
+        to ``dtype`` before it moves; parameters that are not dim-0 shards are gathered whole.
+        """
+        import torch.distributed as dist
+
+        from gymbridge.trainer.sharding import GatheredBucket, pack_shards
+
         params = dict(self._trainer().model.named_parameters())
-        out = {name: self._full(params[name], dtype) for name in names}
-        return out if self.rank == 0 else None
+        # the collective's device: NCCL moves CUDA tensors only (the shards may be offloaded)
+        device = torch.device("cuda") if dist.get_backend() == "nccl" else torch.device("cpu")
+        flat, slots, others = pack_shards(params, names, dtype, self.world_size, device)
+        whole = {name: self._full(params[name], dtype) for name in others}
+        if self.world_size == 1:
+            parts = [flat]
+        else:
+            parts = [torch.empty_like(flat) for _ in range(self.world_size)] if self.rank == 0 else []
+            dist.gather(flat, parts if self.rank == 0 else None, dst=0)
+        if self.rank != 0:
+            return None
+        buffers = tuple(part.cpu().view(torch.uint8).numpy() for part in parts)
+        return GatheredBucket(str(dtype).removeprefix("torch."), slots, buffers, whole)
 
     def digest(self) -> str:
         """sha256 of the full parameters in the driver's dtype, as :func:`param_digest` (all ranks gather)."""
@@ -542,6 +688,7 @@ class FSDPWorker(_GroupRank):
         error: Exception | None = None
         own: list[tuple[Signature, bool]] = []
         try:
+            micro_batches = _set_apart_copies(micro_batches)
             for mb in micro_batches:  # no encoder runs here: the placeholders and media keys only
                 forward_kwargs(trainer.model, mb, encoder_dedup=False)
             own = [(_media_signature(mb), float(mb.loss_mask.sum()) > 0) for mb in micro_batches]
@@ -554,7 +701,7 @@ class FSDPWorker(_GroupRank):
             raise _PeerFailedError
         plan = lockstep_plan([sigs for _, sigs in gathered], self.rank)
         return [
-            (_text_only(micro_batches[i], trainer.model) if strip else micro_batches[i], counted)
+            (_strip_media(micro_batches[i], trainer.model, strip) if strip else micro_batches[i], counted)
             for i, counted, strip in plan
         ]
 
@@ -716,6 +863,11 @@ class RayDPTrainer:
     def sync_workers(self) -> None:
         """Give every worker the driver's weights, optimizer state and step count."""
         if self.strategy == "fsdp":
+            if self.trainer.config.kl_coef > 0 and self.trainer.reference is None:
+                raise TrainingError(
+                    "sync_workers: the driver no longer holds the KL reference (the fsdp workers do, "
+                    "sharded); seed the workers from a checkpoint instead (load_sharded_checkpoint)"
+                )
             self._sync_fsdp_workers()
             return
         state = {
@@ -749,24 +901,54 @@ class RayDPTrainer:
             return
         self.trainer.optimizer.load_state_dict(self.ray.get(self.workers[0].optimizer_state.remote()))
 
-    def _publish_from_shards(self) -> None:
-        """Stream the sharded weights into the driver's policy, one bucket of full tensors at a time."""
-        params = dict(self.trainer.model.named_parameters())
+    def save_sharded_checkpoint(self, folder: Path, meta: dict[str, Any]) -> None:
+        """``fsdp``: every worker writes its slices (policy, AdamW state, reference) to ``folder``; the
+        driver receives nothing but the byte counts (the run's own state is written apart:
+        :func:`gymbridge.trainer.checkpoint.save_sharded_checkpoint`)."""
+        if self.strategy != "fsdp":
+            raise ValueError("sharded checkpoints are written by fsdp workers; replicate saves one file")
+        written = self.ray.get([w.save_checkpoint.remote(str(folder), meta) for w in self.workers])
+        logger.debug("sharded checkpoint %s: %s bytes per rank", folder, written)
+
+    def load_sharded_checkpoint(self, folder: Path) -> None:
+        """``fsdp``: every worker fills its shards (policy, AdamW state, reference) from ``folder``, saved
+        on any number of workers; the step count is the driver's. The driver's own policy is loaded
+        apart (:func:`gymbridge.trainer.checkpoint.load_checkpoint`)."""
+        if self.strategy != "fsdp":
+            raise ValueError("only fsdp workers load a sharded checkpoint; replicate ones take the driver's")
+        self.ray.get([w.load_checkpoint.remote(str(folder), self.trainer.steps) for w in self.workers])
+
+    def publish_buckets(self) -> list[list[str]]:
+        """The parameter names of each publication bucket: consecutive, at most ``bucket_bytes`` of the
+        driver's dtype each (one larger parameter alone)."""
         buckets: list[list[str]] = [[]]
         size = 0
-        for name, p in params.items():
+        for name, p in self.trainer.model.named_parameters():
             nbytes = p.numel() * p.element_size()
             if buckets[-1] and size + nbytes > self.bucket_bytes:
                 buckets.append([])
                 size = 0
             buckets[-1].append(name)
             size += nbytes
+        return buckets
+
+    def _publish_from_shards(self) -> None:
+        """Stream the sharded weights into the driver's policy, one bucket of full tensors at a time."""
+        params = dict(self.trainer.model.named_parameters())
+        buckets = self.publish_buckets()
+
+        def gather(names: list[str]) -> list[Any]:
+            return [w.gather.remote(names, self.dtype) for w in self.workers]
+
+        # one bucket ahead: the ranks gather the next while the driver copies this one (two at most)
+        pending = gather(buckets[0])
         with torch.no_grad():
-            for names in buckets:
-                got = self.ray.get([w.gather.remote(names, self.dtype) for w in self.workers])[0]
-                for name in names:
-                    params[name].copy_(got[name])
+            for i in range(len(buckets)):
+                ahead = gather(buckets[i + 1]) if i + 1 < len(buckets) else []
+                got = self.ray.get(pending)[0]
+                got.copy_into(params)
                 del got
+                pending = ahead
 
     def step(self, batch: TrainBatch) -> StepMetrics:
         started = time.perf_counter()
@@ -778,12 +960,9 @@ class RayDPTrainer:
                 batch, [], 0.0, time.perf_counter() - started, truncated_masked=truncated, skipped=skipped
             )
         shards = policy_shards(batch, self.num_workers, self.trainer.config.torch_dtype)
-        if self.strategy == "fsdp":  # every rank runs the same passes: an empty shard gets masked rows
-            donor = min((s for s in shards if len(s)), key=len)
-            shards = [
-                s if len(s) else replace(donor, loss_mask=torch.zeros_like(donor.loss_mask)) for s in shards
-            ]
-        self.last_shard_tokens = [s.num_tokens for s in shards]
+        self.last_shard_tokens = [s.num_tokens for s in shards]  # the rows each trains, not the masked ones
+        if self.strategy == "fsdp":  # every rank runs the same passes: masked rows of what a shard lacks
+            shards = lockstep_shards(shards)
         self.last_media_dtypes = {
             k: str(v.dtype).removeprefix("torch.")
             for s in shards

@@ -60,6 +60,7 @@ __all__ = [
     "INDEX_NAME",
     "SHARDED_FORMAT",
     "flatten_model_and_optimizer",
+    "full_optimizer_state",
     "is_complete",
     "iter_full_tensors",
     "load_sharded",
@@ -613,12 +614,15 @@ def load_sharded(
     return ckpt.meta
 
 
-def _fill_targets(ckpt: _Checkpoint, targets: Mapping[str, torch.Tensor], *, strict: bool) -> None:
+def _fill_targets(
+    ckpt: _Checkpoint, targets: Mapping[str, torch.Tensor], *, strict: bool, ignore: tuple[str, ...] = ()
+) -> None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     index_path = ckpt.root / INDEX_NAME
-    if strict and (extra := sorted(set(ckpt.entries) - set(targets))):
+    held = {name for name in ckpt.entries if not name.startswith(ignore)}
+    if strict and (extra := sorted(held - set(targets))):
         raise CheckpointError(index_path, f"holds {len(extra)} tensors nothing loads, e.g. {extra[:3]}")
     for name, target in targets.items():
         entry = ckpt.entries.get(name)
@@ -715,6 +719,7 @@ def restore_model_and_optimizer(
     *,
     rank: int = 0,
     world_size: int = 1,
+    other_prefixes: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Load ``model`` and ``optimizer`` from a checkpoint directory, or from ``(tensors, meta)`` as
     :func:`flatten_model_and_optimizer` made them for a model of the same sharding (copied, never
@@ -726,7 +731,8 @@ def restore_model_and_optimizer(
     that had no gradient yet gets none, as in the run that saved). :class:`CheckpointError`
     names the file (or ``<in-memory state>``) otherwise. Collective where ``set_state_dict``
     is for the model's sharding (call it on every rank); ``rank`` and ``world_size`` are the
-    caller's, as for :func:`load_sharded`.
+    caller's, as for :func:`load_sharded`. A directory may also hold tensors named with one of
+    ``other_prefixes`` (e.g. ``"reference."``: a KL reference saved alongside), left unread.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -740,7 +746,7 @@ def restore_model_and_optimizer(
     # AdamW makes a parameter's state at its first gradient: load the state the save had, no more
     tensors = {k: v for k, v in targets.items() if k.startswith("model.") or k in names}
     if isinstance(source, str | Path):
-        _fill_targets(ckpt, tensors, strict=True)
+        _fill_targets(ckpt, tensors, strict=True, ignore=other_prefixes)
     else:
         _copy_targets(where, source[0], tensors)
     try:
@@ -749,16 +755,7 @@ def restore_model_and_optimizer(
             if name.startswith("optim."):
                 fqn, key = name.removeprefix("optim.").rsplit(".", 1)
                 state.setdefault(fqn, {})[key] = value
-        for fqn, entries in optim_meta["scalars"].items():
-            for key, spec in entries.items():
-                if "tensor" in spec:
-                    value = torch.tensor(spec["value"], dtype=_DTYPES_BY_NAME[spec["tensor"]])
-                else:
-                    value = spec["value"]
-                state.setdefault(fqn, {})[key] = value
-        groups = [
-            {k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in optim_meta["param_groups"]
-        ]
+        groups = _add_scalars(state, optim_meta)
         # set_state_dict's declared value types are invariant dicts of a union
         model_sd: Any = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
         optim_sd: Any = {"state": state, "param_groups": groups}
@@ -773,6 +770,45 @@ def restore_model_and_optimizer(
             where, f"model/optimizer state does not fit: {type(exc).__name__}: {exc}"
         ) from exc
     return dict(loaded_meta)
+
+
+def _add_scalars(state: dict[str, dict[str, Any]], optim_meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """Put the optimizer's scalar state (``step``: a 0-dim tensor or a number) into ``state`` by FQN;
+    returns the param groups (``betas`` as a tuple, as AdamW keeps them)."""
+    for fqn, entries in optim_meta["scalars"].items():
+        for key, spec in entries.items():
+            if "tensor" in spec:
+                value = torch.tensor(spec["value"], dtype=_DTYPES_BY_NAME[spec["tensor"]])
+            else:
+                value = spec["value"]
+            state.setdefault(fqn, {})[key] = value
+    return [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in optim_meta["param_groups"]]
+
+
+def full_optimizer_state(directory: str | Path) -> dict[str, Any]:
+    """The optimizer state a checkpoint of :func:`flatten_model_and_optimizer` holds, whole, for an
+    unsharded model: ``{"state": {fqn: {key: value}}, "param_groups": [...]}`` keyed by parameter
+    FQN as ``torch.distributed.checkpoint.state_dict.set_optimizer_state_dict`` takes it.
+
+    Needs no process group; holds the whole optimizer state in host memory (a single process's
+    trainer does anyway). :class:`CheckpointError` names the file of anything malformed.
+    """
+    ckpt = _Checkpoint(directory)
+    where = ckpt.root / INDEX_NAME
+    optim_meta = _optimizer_meta(where, ckpt.meta)
+    state: dict[str, dict[str, Any]] = {}
+    try:
+        for name, entry in ckpt.entries.items():
+            if not name.startswith("optim."):
+                continue
+            fqn, key = name.removeprefix("optim.").rsplit(".", 1)
+            full = torch.empty(entry.shape, dtype=entry.dtype)
+            ckpt.fill(name, full, (0,) * len(entry.shape))
+            state.setdefault(fqn, {})[key] = full
+        groups = _add_scalars(state, optim_meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(where, f"malformed optimizer state: {type(exc).__name__}: {exc}") from exc
+    return {"state": state, "param_groups": groups}
 
 
 def _copy_targets(

@@ -10,6 +10,13 @@ The model code knows nothing of it. With ``mp_dtype`` the units compute in that 
 master weights and reduce gradients in fp32 (``MixedPrecisionPolicy``); ``cpu_offload`` keeps the
 shards, their gradients and the optimizer state on the CPU (``CPUOffloadPolicy``).
 
+Publication (:func:`pack_shards`, :class:`GatheredBucket`): FSDP2 shards every parameter on dim 0
+with ``torch.chunk`` semantics (``ceil(rows / world)`` rows per rank, the last ranks short or empty).
+Each rank copies its local rows of a bucket's parameters into one flat buffer with a fixed slot per
+parameter (padded to the full chunk), so one ``gather`` to rank 0 moves a whole bucket; rank 0 holds
+the ranks' buffers, never a second copy of the full tensors, and the receiver copies each rank's
+rows straight into its own parameter.
+
 Invariants:
 
 * gradients are **summed** over ranks (divide factor 1): every rank's loss already divides by the
@@ -29,7 +36,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ResidentBytes", "claim_root", "no_split_classes", "resident_bytes", "shard_model"]
+__all__ = [
+    "GatheredBucket",
+    "ResidentBytes",
+    "ShardSlot",
+    "claim_root",
+    "no_split_classes",
+    "pack_shards",
+    "resident_bytes",
+    "shard_model",
+]
 
 
 def no_split_classes(model: Any) -> set[str]:
@@ -160,3 +176,140 @@ def resident_bytes(model: torch.nn.Module, optimizer: Any | None = None) -> Resi
         for state in optimizer.state.values():
             opt += sum(_local_nbytes(v) for v in state.values() if isinstance(v, torch.Tensor))
     return ResidentBytes(params, grads, opt)
+
+
+@dataclass(frozen=True)
+class ShardSlot:
+    """Where one dim-0 sharded parameter lies in every rank's flat buffer (:func:`pack_shards`).
+
+    ``offset``: its first element in each rank's buffer; ``chunk_rows``: rows per rank
+    (``ceil(shape[0] / world)``, the slot holds ``chunk_rows * row_numel`` elements).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    chunk_rows: int
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for d in self.shape[1:]:
+            n *= d
+        return n
+
+    @property
+    def slot_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    def rank_rows(self, rank: int) -> int:
+        """Rows rank ``rank`` holds (``torch.chunk``: full chunks, then one short one, then none)."""
+        return max(0, min(self.chunk_rows, self.shape[0] - rank * self.chunk_rows))
+
+
+def _dim0_sharded(p: torch.Tensor, world_size: int) -> bool:
+    """Whether ``p`` is a DTensor sharded on dim 0 over a 1-D mesh of ``world_size`` ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    return (
+        isinstance(p, DTensor)
+        and p.device_mesh.ndim == 1
+        and p.device_mesh.size() == world_size
+        and tuple(p.placements) == (Shard(0),)
+        and p.dim() > 0
+    )
+
+
+def pack_shards(
+    params: dict[str, torch.Tensor],
+    names: list[str],
+    dtype: torch.dtype,
+    world_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, tuple[ShardSlot, ...], list[str]]:
+    """This rank's local rows of ``names`` in one flat ``[sum of slots]`` buffer of ``dtype`` on ``device``.
+
+    Returns ``(buffer, slots, others)``: ``others`` are the names that are not dim-0 sharded
+    DTensors (gather them whole). Every rank computes the same slots from the global shapes; the
+    padding past a rank's rows is zeros.
+    """
+    from torch.distributed.tensor import DTensor
+
+    slots: list[ShardSlot] = []
+    others: list[str] = []
+    offset = 0
+    for name in names:
+        p = params[name]
+        if not _dim0_sharded(p, world_size):
+            others.append(name)
+            continue
+        chunk = -(-int(p.shape[0]) // world_size)
+        slot = ShardSlot(name, tuple(int(d) for d in p.shape), offset, chunk)
+        slots.append(slot)
+        offset += slot.slot_numel
+    flat = torch.zeros(offset, dtype=dtype, device=device)
+    with torch.no_grad():
+        for slot in slots:
+            p = params[slot.name]
+            assert isinstance(p, DTensor)
+            local = p.to_local()
+            n = local.numel()
+            if n > slot.slot_numel:
+                raise RuntimeError(
+                    f"{slot.name}: local shard {tuple(local.shape)} exceeds its {slot.chunk_rows}-row slot"
+                )
+            flat[slot.offset : slot.offset + n].view(local.shape).copy_(local)
+    return flat, tuple(slots), others
+
+
+@dataclass(frozen=True)
+class GatheredBucket:
+    """A bucket of full parameters as the ranks' flat shard buffers (rank order) and their slots.
+
+    The buffers are ``uint8`` numpy arrays (so Ray moves them out of band, without a copy), viewed
+    as ``dtype``; ``whole``: parameters gathered as full tensors (not dim-0 sharded).
+    """
+
+    dtype: str
+    slots: tuple[ShardSlot, ...]
+    buffers: tuple[Any, ...]
+    whole: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buffers) + sum(
+            int(t.numel() * t.element_size()) for t in self.whole.values()
+        )
+
+    def _flats(self) -> list[torch.Tensor]:
+        import warnings
+
+        dtype = getattr(torch, self.dtype)
+        out = []
+        for b in self.buffers:
+            with warnings.catch_warnings():  # Ray's buffers are read-only; they are only read here
+                warnings.filterwarnings("ignore", message=".*not writable.*")
+                out.append(torch.from_numpy(b).view(dtype))
+        return out
+
+    def copy_into(self, params: dict[str, torch.Tensor]) -> None:
+        """Copy every parameter of the bucket into ``params`` (full tensors of the same shapes)."""
+        flats = self._flats()
+        with torch.no_grad():
+            for slot in self.slots:
+                dest = params[slot.name].view(-1)
+                row = slot.row_numel
+                for rank, flat in enumerate(flats):
+                    n = slot.rank_rows(rank) * row
+                    if n:
+                        start = rank * slot.chunk_rows * row
+                        dest[start : start + n].copy_(flat[slot.offset : slot.offset + n])
+            for name, value in self.whole.items():
+                params[name].copy_(value)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The bucket's parameters as new full tensors (tests and benchmarks)."""
+        out = {s.name: torch.empty(s.shape, dtype=getattr(torch, self.dtype)) for s in self.slots}
+        out.update({n: torch.empty_like(t) for n, t in self.whole.items()})
+        self.copy_into(out)
+        return out

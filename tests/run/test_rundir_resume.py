@@ -249,6 +249,58 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path: Path, monkeypatch: p
     assert [m.grad_norm for m in whole.steps][2:] == pytest.approx([m.grad_norm for m in resumed.steps])
 
 
+def test_regression_a_second_resume_trains_no_row_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resumed run's checkpoints recorded only the rows it trained itself, so resuming it again
+    trained the first attempt's rows a second time."""
+    import io
+
+    from run_helpers import run_config
+
+    from gymbridge.run import train
+    from gymbridge.trainer import grpo
+
+    settings = {
+        "rollout.native": True,
+        "steps": 4,
+        "bridge.group_size": 2,
+        "bridge.prompts_per_step": 1,
+        "rollout.max_tokens": 8,
+        "warmup.steps": 0,
+        "shaping.kind": "token_rate",
+        "output.payload_metrics": False,
+        "output.artifacts": False,
+        "output.export": "none",
+        "checkpoint.every": 1,
+    }
+    train(run_config(tmp_path / "a", settings), out=io.StringIO())
+    real_step = grpo.GRPOTrainer.step
+
+    def crash_at(update: int) -> None:
+        calls = iter(range(100))
+
+        def step(self: grpo.GRPOTrainer, batch: Any) -> grpo.StepMetrics:
+            if next(calls) == update:
+                raise RuntimeError("killed")
+            return real_step(self, batch)
+
+        monkeypatch.setattr(grpo.GRPOTrainer, "step", step)
+
+    crash_at(2)  # killed in step 3: checkpoints of steps 1-2
+    with pytest.raises(RuntimeError, match="killed"):
+        train(run_config(tmp_path / "b", settings), out=io.StringIO())
+    cfg = RunConfig.model_validate(yaml.safe_load((tmp_path / "b" / "config.yaml").read_text()))
+    crash_at(1)  # resumed at step 3, killed in step 4: step 3's checkpoint is the resumed run's
+    with pytest.raises(RuntimeError, match="killed"):
+        train(cfg, out=io.StringIO(), resume="must")
+    monkeypatch.setattr(grpo.GRPOTrainer, "step", real_step)
+    train(cfg, out=io.StringIO(), resume="must")
+    assert [r["task_indices"] for r in records(tmp_path / "b")] == [
+        r["task_indices"] for r in records(tmp_path / "a")
+    ]
+
+
 def test_max_staleness_1_with_the_generator_in_its_own_process(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

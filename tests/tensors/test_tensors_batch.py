@@ -255,6 +255,33 @@ def test_shard_is_group_aware_balances_tokens_and_reinterns(tiny: TinyVLM, proc:
     assert sorted(int(s.lengths.sum()) for s in flat) == [132, 132]
 
 
+def test_modality_rows_marks_the_rows_holding_each_modality(batch: TrainBatch) -> None:
+    rows = batch.modality_rows()
+    assert set(rows) == {"image"}  # pixel_values and image_grid_thw: one modality
+    assert rows["image"].tolist() == [True] * (2 * G) + [False] * G
+    for key in ("pixel_values", "image_grid_thw"):
+        assert torch.equal(rows["image"], batch.media[key].segment_counts() > 0)
+    text = batch[2 * G :]
+    assert not text.modality_rows()["image"].any()
+    picked = batch.select([2 * G, 0, 2 * G + 1])
+    assert picked.modality_rows()["image"].tolist() == [False, True, False]
+    assert batch[:0].modality_rows()["image"].shape == (0,)
+
+
+def test_without_loss_trains_nothing_and_keeps_tokens_and_media(batch: TrainBatch) -> None:
+    masked = batch.select([1, G]).without_loss()
+    assert float(masked.loss_mask.abs().sum()) == 0 and not masked.sample_mask.any()
+    assert float(masked.advantages.abs().sum()) == 0
+    kept = batch.select([1, G])
+    assert torch.equal(masked.input_ids, kept.input_ids) and torch.equal(masked.rewards, kept.rewards)
+    for key in kept.media:
+        assert torch.equal(masked.media[key].materialize(), kept.media[key].materialize())
+    assert float(batch.loss_mask.sum()) > 0 and bool(batch.sample_mask.all())  # the source is untouched
+    joined = TrainBatch.cat([batch[2 * G :], masked])  # a text shard given masked image rows
+    assert float(joined.loss_mask.sum()) == float(batch[2 * G :].loss_mask.sum())
+    assert joined.modality_rows()["image"].tolist() == [False] * G + [True, True]
+
+
 def test_micro_batches_respect_the_token_budget(batch: TrainBatch) -> None:
     budget = int(batch.lengths.max()) * 3
     mbs = batch.micro_batches(budget)

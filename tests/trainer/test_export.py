@@ -196,8 +196,9 @@ def test_shards_are_written_while_the_tensors_still_stream(tmp_path: Path) -> No
 def test_a_sharded_checkpoint_folder_is_read_through_iter_full_tensors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A checkpoint folder of ``gymbridge.trainer.sharded_checkpoint`` (``index.json``): whole tensors
-    come from its ``iter_full_tensors``; without that module the folder is refused by name."""
+    """A checkpoint folder of ``gymbridge.trainer.sharded_checkpoint`` (``index.json``): whole policy
+    tensors come from its ``iter_full_tensors`` (the optimizer state is not assembled); without
+    that module the folder is refused by name."""
     from gymbridge.trainer import sharded_checkpoint
 
     tiny = tiny_model("qwen2_vl", 0)
@@ -207,16 +208,16 @@ def test_a_sharded_checkpoint_folder_is_read_through_iter_full_tensors(
     sharded_checkpoint.save_sharded(folder, tensors, {"step": 3}, rank=0, world_size=1)
     latest = {"format": FORMAT, "step": 3, "state": "step-000003"}
     (folder.parent / "latest.json").write_text(json.dumps(latest))
-    read: list[Path] = []
+    read: list[tuple[Path, str]] = []
     real = sharded_checkpoint.iter_full_tensors
 
-    def spy(directory: Path) -> Iterator[tuple[str, torch.Tensor]]:
-        read.append(Path(directory))
-        yield from real(directory)
+    def spy(directory: Path, *, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        read.append((Path(directory), prefix))
+        yield from real(directory, prefix=prefix)
 
     monkeypatch.setattr(sharded_checkpoint, "iter_full_tensors", spy)
     result = export_hf(tmp_path / "run", tmp_path / "out", parts=parts_of(tiny))
-    assert read == [folder] and result.step == 3 and result.checkpoint == folder
+    assert read == [(folder, "model.")] and result.step == 3 and result.checkpoint == folder
     state = load(tmp_path / "out").state_dict()
     assert all(torch.equal(state[k], v) for k, v in weights.items())
     monkeypatch.setitem(sys.modules, "gymbridge.trainer.sharded_checkpoint", None)  # an older gymbridge

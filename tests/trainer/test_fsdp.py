@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import json
+import socket
 from collections.abc import Iterator
 from contextlib import redirect_stdout
 from dataclasses import replace
@@ -35,7 +36,7 @@ from gymbridge.trainer import (
 )
 from gymbridge.trainer.memory import prepare_policy
 from gymbridge.trainer.models import tiny_omni_policy
-from gymbridge.trainer.ray_dp import lockstep_plan
+from gymbridge.trainer.ray_dp import LOCKSTEP_COPY, lockstep_plan, lockstep_shards, policy_shards
 from gymbridge.trainer.sharding import no_split_classes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
@@ -58,15 +59,62 @@ def test_lockstep_plan_gives_every_rank_the_same_passes() -> None:
     ranks = [[(img, True), (img, True), (text, True)], [(img, True), (img, False)]]
     plans = [lockstep_plan(ranks, r) for r in (0, 1)]
     # text passes first (sorted signatures), then image; the short rank repeats with weight 0
-    assert plans[0] == [(2, True, False), (0, True, False), (1, True, False)]
-    assert plans[1] == [(0, False, True), (0, True, False), (0, False, False)]  # text: media stripped
-    shape = [[ranks[r][i][0] if not strip else text for i, _, strip in plans[r]] for r in (0, 1)]
+    assert plans[0] == [(2, True, ()), (0, True, ()), (1, True, ())]
+    assert plans[1] == [(0, False, img), (0, True, ()), (0, False, ())]  # text: the image stripped
+    shape = [[tuple(m for m in ranks[r][i][0] if m not in strip) for i, _, strip in plans[r]] for r in (0, 1)]
     assert shape[0] == shape[1]
+    # a rank without an image-only micro-batch repeats one holding an image and audio, the audio stripped
+    both = ("audio", "image")
+    assert lockstep_plan([[(img, True), (both, True)], [(both, True)]], 1) == [
+        (0, True, ()),
+        (0, False, ("audio",)),
+    ]
+    with pytest.raises(
+        TrainingError, match=r"rank 0's shard has no micro-batch with media \['audio', 'image'\]"
+    ):
+        lockstep_plan([[(img, True)], [(both, True)]], 0)
     with pytest.raises(TrainingError, match=r"rank 1's shard has no micro-batch with media \['image'\]"):
         lockstep_plan([[(img, True)], [(text, True)]], 0)
     with pytest.raises(TrainingError, match="rank 1's shard has no micro-batch with media none"):
         lockstep_plan([[(text, True)], []], 0)
     assert lockstep_plan([[], []], 0) == []
+
+
+def _images_on_one_shard(tiny: TinyVLM) -> TrainBatch:
+    """Three groups: the image rows all in group 0, which 2 shards put alone on shard 0."""
+    red, blue = _image((200, 30, 30)), _image((20, 40, 220))
+    rows = [([red], 3), ([blue], 6), ([], 5), ([], 9), ([], 4), ([], 7)]
+    return media_batch(tiny.tokenizer, tiny.processor, rows)
+
+
+def test_lockstep_shards_give_a_shard_without_images_a_masked_copy_of_one(tiny: TinyVLM) -> None:
+    batch = _images_on_one_shard(tiny)
+    shards = policy_shards(batch, 2, torch.float32)
+    assert [bool(s.modality_rows()["image"].any()) for s in shards] == [True, False]  # the failing shape
+    filled = lockstep_shards(shards)
+    assert filled[0] is shards[0]
+    own, added = filled[1][: len(shards[1])], filled[1][len(shards[1]) :]
+    assert torch.equal(own.loss_mask, shards[1].loss_mask[:, : own.seq_len])  # its own rows unchanged
+    assert torch.equal(own.sample_ids, shards[1].sample_ids)
+    # one copy of the shortest image row (row 0), media with it, training nothing
+    assert len(added) == 1 and added.metadata[0][LOCKSTEP_COPY]
+    assert float(added.loss_mask.abs().sum()) == 0 and not added.sample_mask.any()
+    assert float(added.advantages.abs().sum()) == 0
+    n = int(batch.lengths[0])
+    assert torch.equal(added.input_ids[0, :n], batch.input_ids[0, :n])
+    for key in batch.media:
+        assert torch.equal(added.media[key].materialize(), batch[[0]].media[key].materialize())
+    # a text-only batch: an empty shard gets the shortest row, masked; full shards nothing
+    text = batch[2:4]
+    plain = policy_shards(text, 3, torch.float32)
+    assert sorted(len(p) for p in plain) == [0, 1, 1]
+    parts = lockstep_shards(plain)
+    empty = next(i for i, p in enumerate(plain) if not len(p))
+    assert all(parts[i] is p for i, p in enumerate(plain) if i != empty)
+    assert len(parts[empty]) == 1 and parts[empty].metadata[0][LOCKSTEP_COPY]
+    assert float(parts[empty].loss_mask.sum()) == 0 and int(parts[empty].lengths[0]) == int(
+        text.lengths.min()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +162,43 @@ def test_fsdp_step_equals_the_single_process_step(
     digests = dp.param_digests()
     assert len(set(digests)) == 1, digests  # the driver's published copy is every rank's full weights
     assert dp.last_weights_s > 0
+
+
+def test_fsdp_trains_a_batch_whose_images_all_land_on_one_shard(
+    cluster: dict[str, RayDPTrainer], tiny: TinyVLM
+) -> None:
+    """Regression: a rank whose shard held no image row while its peer's did raised TrainingError on
+    every rank; now it repeats a masked copy of a peer's image row, and the step is the single process's.
+
+    Parameters are compared where AdamW's first update is ``lr * sign(grad)``: an element whose
+    gradient is nonzero but below AdamW's ``eps`` (one of 8192 in ``layers.0.mlp.up_proj`` here) moves
+    by ``lr * grad / (|grad| + eps)``, which turns the shards' other summation order into ~1e-6.
+    """
+    dp = reset(cluster["fsdp"])
+    local = fresh()
+    fixed = with_current_logprobs(local.model, _images_on_one_shard(tiny))
+    first = local.compute_gradients(local.prepare(fixed)[0]).grads
+    eps = float(local.optimizer.param_groups[0]["eps"])
+    steady = [(g == 0) | (g.abs() > eps) for g in first]  # a gradient of 0 stays 0 everywhere
+    # ~2% (most in the vision blocks, whose gradients through the image rows are small); the rest compared
+    assert sum(int((~m).sum()) for m in steady) < 0.05 * sum(m.numel() for m in steady)
+    for _ in range(2):
+        want, got = local.step(fixed), dp.step(fixed)
+        assert abs(got.loss - want.loss) <= 1e-6, (got.loss, want.loss)
+        assert abs(got.grad_norm - want.grad_norm) <= 1e-5 * want.grad_norm
+        # the masked copy counts nowhere: rows, tokens, rewards, encoder references, shard tokens
+        assert (got.num_rows, got.num_tokens, got.num_loss_tokens, got.encoder_refs) == (
+            want.num_rows,
+            want.num_tokens,
+            want.num_loss_tokens,
+            want.encoder_refs,
+        )
+        assert got.mean_reward == want.mean_reward and sum(dp.last_shard_tokens) == fixed.num_tokens
+    trainable = [(n, p) for n, p in dp.trainer.model.named_parameters() if p.requires_grad]
+    local_params = [p for p in local.model.parameters() if p.requires_grad]
+    for (name, p), q, keep in zip(trainable, local_params, steady, strict=True):
+        torch.testing.assert_close(p[keep], q[keep], atol=1e-6, rtol=0, msg=name)
+    assert len(set(dp.param_digests())) == 1
 
 
 def test_fsdp_holds_about_half_the_replicated_state_per_rank(
@@ -265,3 +350,81 @@ def test_smoke_run_with_fsdp_workers_reports_the_strategy_and_rank_bytes(tmp_pat
     trainer = GRPOTrainer(tiny_policy(0).to(torch.bfloat16), load_run_config(["smoke"]).trainer)
     assert load_checkpoint(tmp_path / "checkpoints", trainer=trainer) is not None
     assert trainer.steps == 2 and trainer.optimizer.state  # the AdamW moments gathered from the shards
+
+
+def _publish_rank(rank: int, world: int, port: int, out: object) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gymbridge.trainer.sharding import GatheredBucket, pack_shards
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)  # rows 3, 7 and 2 over 3 ranks: short, padded and empty shards
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 7), torch.nn.Embedding(2, 4))
+    want = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    fully_shard(model[0])
+    fully_shard(model)
+    params = dict(model.named_parameters())
+    flat, slots, others = pack_shards(params, list(params), torch.bfloat16, world, torch.device("cpu"))
+    parts = [torch.empty_like(flat) for _ in range(world)] if rank == 0 else None
+    dist.gather(flat, parts, dst=0)
+    if parts is not None:
+        got = GatheredBucket(
+            "bfloat16", slots, tuple(p.view(torch.uint8).numpy() for p in parts), {}
+        ).tensors()
+        out.put((others, sorted(got) == sorted(want), all(torch.equal(got[n], want[n]) for n in want)))  # type: ignore[attr-defined]
+    dist.destroy_process_group()
+
+
+def test_publication_buckets_rebuild_unevenly_sharded_parameters_exactly() -> None:
+    """Each rank's rows in one padded flat buffer, one gather: rank 0 rebuilds every full tensor."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_publish_rank, args=(r, 3, port, out)) for r in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        assert out.get(timeout=300) == ([], True, True)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+
+
+def test_smoke_color_tool_run_trains_on_fsdp_workers_when_a_shard_has_no_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tool variant (the image arrives after the forced ``look`` call) trains on 2 FSDP workers,
+    every step's shards through :func:`lockstep_shards`. Here every rollout's row carries the tool's
+    image (the native history appends, one row per rollout), so the shard without an image is
+    exercised by ``test_fsdp_trains_a_batch_whose_images_all_land_on_one_shard``; ``lacking`` records
+    per step how many shards held no image while a peer's did."""
+    pytest.importorskip("ray")
+    from gymbridge.cli import main
+    from gymbridge.trainer import ray_dp
+
+    lacking: list[int] = []
+
+    def spy(shards: list[TrainBatch]) -> list[TrainBatch]:
+        held = [bool(s.modality_rows().get("image", torch.zeros(0)).any()) for s in shards]
+        lacking.append(sum(1 for h in held if not h) if any(held) else 0)
+        return lockstep_shards(shards)
+
+    monkeypatch.setattr(ray_dp, "lockstep_shards", spy)
+    argv = ["smoke", "run", "--config", "smoke_color_tool", "--steps", "3", "--prompts", "2"]
+    argv += ["--group-size", "2", "--run-dir", str(tmp_path), "--no-progress"]
+    settings = ("dp.workers=2", "dp.strategy=fsdp", "warmup.steps=0", "checkpoint.every=0")
+    for setting in (*settings, "shaping.kind=token_rate", "rollout.max_tokens=16"):  # a reward to learn
+        argv += ["--set", setting]
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert main(argv) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and all(r["dp_strategy"] == "fsdp" for r in records), out.getvalue()
+    assert [r["policy_version"] for r in records] == [1, 2, 3]
+    assert len(lacking) == 3, lacking
+    assert all(r["skipped"] is None and r["num_loss_tokens"] > 0 for r in records)

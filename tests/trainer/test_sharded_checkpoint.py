@@ -217,6 +217,7 @@ Scenario = Callable[[int, int, Path, Policy], None]
 
 def _rank_main(rank: int, world: int, store: str, scenario: Scenario, out: str, policy: Policy) -> None:
     torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks meet on loopback, whatever the host name resolves to
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         scenario(rank, world, Path(out), policy)
