@@ -232,6 +232,9 @@ def step_line(report: StepReport, record: Mapping[str, Any], config: RunConfig) 
         line += f"  -> v{report.policy_version} (sync {report.weight_sync_s:.3f}s)"
     elif not config.generator.publish_weights:
         line += " (not published: generator.publish_weights is off)"
+    if record.get("dp_strategy"):  # each rank's parameters, gradients and optimizer state: the largest
+        held = max((sum(b.values()) for b in record.get("dp_rank_state_bytes") or []), default=0)
+        line += f"  dp {record['dp_strategy']} x{record['dp_world_size']} ({held / 2**20:.2f} MiB state/rank)"
     if config.bridge.max_staleness > 0:
         line += f"  staleness {record['staleness_max']} (dropped {record['groups_dropped_stale']})"
     if config.trainer.lr_scheduled and report.skipped is None:

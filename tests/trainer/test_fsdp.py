@@ -336,6 +336,7 @@ def test_smoke_run_with_fsdp_workers_reports_the_strategy_and_rank_bytes(tmp_pat
     with redirect_stdout(out):
         assert main(argv) == 0
     assert "data parallel (fsdp)" in out.getvalue()
+    assert "dp fsdp x2 (" in out.getvalue() and " MiB state/rank)" in out.getvalue()  # on each step's line
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == 2
     for r in records:
