@@ -236,6 +236,29 @@ def test_a_failing_fsdp_shard_raises_and_the_group_trains_on(
     assert len(set(dp.param_digests())) == 1
 
 
+def test_fsdp_with_cpu_offload_steps_like_the_single_process_step(
+    cluster: dict[str, RayDPTrainer], batch: TrainBatch
+) -> None:
+    """``dp.cpu_offload``: shards, gradients and AdamW state on the host (``CPUOffloadPolicy``); the
+    step is the same step."""
+    model = tiny_policy(0)
+    factory = functools.partial(from_config, type(model), model.config)
+    offloaded = RayDPTrainer(fresh(), factory, 2, worker_num_cpus=0, strategy="fsdp", cpu_offload=True)
+    try:
+        local = fresh()
+        fixed = with_current_logprobs(local.model, batch)
+        want, got = local.step(fixed), offloaded.step(fixed)
+        assert abs(got.loss - want.loss) <= 1e-6 and got.num_loss_tokens == want.num_loss_tokens
+        for (name, p), q in zip(
+            offloaded.trainer.model.named_parameters(), local.model.parameters(), strict=True
+        ):
+            torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+        held = offloaded.last_rank_state_bytes
+        assert len(held) == 2 and all(b["optimizer"] > 0 for b in held)
+    finally:
+        offloaded.shutdown()
+
+
 def test_fsdp_kl_reference_and_optimizer_state_round_trip(
     cluster: dict[str, RayDPTrainer], batch: TrainBatch
 ) -> None:
