@@ -235,8 +235,19 @@ def _base_and_head(model: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None
     return base, head
 
 
-def _suppressed(suppress_token_ids: Sequence[int], vocab: int) -> list[int]:
-    return [t for t in suppress_token_ids if 0 <= t < vocab]
+def _scaled_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, suppress_token_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits`` ``[..., V]`` divided by ``temperature`` with the suppressed tokens at ``-inf``, and the
+    logprobs ``[...]`` of ``targets`` under them (0 where not finite)."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    suppress = [t for t in suppress_token_ids if 0 <= t < logits.shape[-1]]
+    if suppress:
+        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
+    lp = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
+    return logits, torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
 
 
 def _score_all(
@@ -250,14 +261,7 @@ def _score_all(
 ) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """Scores from every position's fp32 ``logits`` ``[B, L-1, V]``: ``[B, L-1]`` logprobs of
     ``targets`` (nucleus and entropy at the loss positions ``where``)."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    suppress = _suppressed(suppress_token_ids, logits.shape[-1])
-    if suppress:
-        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
-    lp = logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
-    # a placeholder token of the prompt has logit -inf: keep its (unused, unmasked) value finite
-    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    logits, lp = _scaled_logprobs(logits, targets, temperature, suppress_token_ids)
     outside = 0
     ent: torch.Tensor | None = None
     if top_p < 1.0 or entropy:
@@ -285,14 +289,7 @@ def _score_chunk(
     ``hidden`` ``[n, H]`` (the output head runs here, under the forward's autocast)."""
     with torch.autocast(hidden.device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
         logits = head(hidden)
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    suppress = _suppressed(suppress_token_ids, logits.shape[-1])
-    if suppress:
-        logits = logits.index_fill(-1, torch.tensor(suppress, device=logits.device), float("-inf"))
-    lp = logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    lp = torch.where(torch.isfinite(lp), lp, torch.zeros_like(lp))
+    logits, lp = _scaled_logprobs(logits.float(), targets, temperature, suppress_token_ids)
     outside = torch.zeros_like(targets, dtype=torch.bool)
     if top_p < 1.0:
         lp, outside = nucleus_logprobs(logits, targets, top_p)
