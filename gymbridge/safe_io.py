@@ -67,6 +67,7 @@ __all__ = [
     "load_state",
     "remove_stale_temps",
     "save_state",
+    "verify_state",
     "write_atomic",
 ]
 
@@ -312,3 +313,59 @@ def load_state(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any
     except OSError as exc:
         raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
     return decode_state(raw, path=path)
+
+
+def verify_state(path: str | Path, *, chunk_bytes: int = 8 << 20) -> dict[str, Any]:
+    """The ``meta`` of the state file at ``path`` after the checks :func:`load_state` makes (sha256,
+    format, meta nesting), reading the file in chunks of ``chunk_bytes``: its tensors are not
+    loaded (read them after, e.g. with ``safetensors.safe_open``).
+
+    Raises :class:`CheckpointError` for anything :func:`load_state` refuses.
+    """
+    try:
+        with Path(path).open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(path, f"truncated: {len(head)} bytes, not even a header length")
+            (n,) = struct.unpack("<Q", head)
+            size = Path(path).stat().st_size
+            if n > _MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(
+                    path, f"truncated or not a state file: header length {n} for a {size}-byte file"
+                )
+            header = f.read(n)
+            fields = list(_DIGEST_FIELD.finditer(header))
+            if len(fields) != 1:
+                raise CheckpointError(
+                    path, "no gymbridge sha256 in the header (not a gymbridge state file, or corrupt)"
+                )
+            stored = fields[0].group(1).decode()
+            start = fields[0].start(1)
+            h = hashlib.sha256(head)
+            h.update(header[:start])
+            h.update(_ZERO_DIGEST.encode())
+            h.update(header[start + 64 :])
+            while chunk := f.read(chunk_bytes):
+                h.update(chunk)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
+    if h.hexdigest() != stored:
+        raise CheckpointError(
+            path, "sha256 mismatch: the file is corrupt (flipped bits, truncated or edited)"
+        )
+    try:
+        info = json.loads(header)["__metadata__"]
+        fmt = info.get("gymbridge.format")
+        if fmt != STATE_FORMAT:
+            raise CheckpointError(path, f"format {fmt!r}, expected {STATE_FORMAT!r}")
+        meta_json = info["gymbridge.meta"]
+        if not isinstance(meta_json, str) or not _json_depth_ok(meta_json, MAX_META_DEPTH):
+            raise CheckpointError(path, f"meta is not a JSON string nesting at most {MAX_META_DEPTH} levels")
+        meta = json.loads(meta_json)
+        if not isinstance(meta, dict):
+            raise CheckpointError(path, f"meta is a {type(meta).__name__}, not an object")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # a checksummed-but-crafted header: parsing may raise anything
+        raise CheckpointError(path, f"malformed: {type(exc).__name__}: {exc}") from exc
+    return meta

@@ -21,6 +21,7 @@ from gymbridge.safe_io import (
     load_state,
     remove_stale_temps,
     save_state,
+    verify_state,
     write_atomic,
 )
 
@@ -100,6 +101,23 @@ def test_regression_every_flipped_bit_is_refused(bit: int) -> None:
     raw[bit // 8] ^= 1 << (bit % 8)
     with pytest.raises(CheckpointError):
         decode_state(bytes(raw), path="flipped")
+
+
+def test_verify_state_streams_the_checks_load_state_makes(tmp_path: Path) -> None:
+    """The streamed check returns the meta of a sound file and refuses what load_state refuses."""
+    path = tmp_path / "s.state"
+    path.write_bytes(STATE)
+    assert verify_state(path, chunk_bytes=7) == META
+    for bit in range(0, len(STATE) * 8, 97):
+        raw = bytearray(STATE)
+        raw[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError):
+            verify_state(path, chunk_bytes=7)
+    for cut in range(0, len(STATE), 41):
+        path.write_bytes(STATE[:cut])
+        with pytest.raises(CheckpointError):
+            verify_state(path)
 
 
 @settings(max_examples=200, deadline=None)

@@ -31,13 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
 import logging
 import os
 import re
 import shutil
-import struct
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,7 +44,7 @@ from typing import Any
 import torch
 
 from gymbridge.errors import CheckpointError, ConfigError
-from gymbridge.safe_io import STATE_FORMAT
+from gymbridge.safe_io import verify_state
 from gymbridge.trainer.checkpoint import FORMAT as CHECKPOINT_FORMAT
 
 logger = logging.getLogger(__name__)
@@ -74,9 +72,6 @@ WEIGHTS_NAME = "model.safetensors"
 """The weights file when one shard holds them all (``from_pretrained``'s name)."""
 INDEX_NAME = "model.safetensors.index.json"
 """The index of sharded weights (``weight_map``: tensor name -> file)."""
-# the sha256 field of a gymbridge.safe_io state file (its docstring documents the layout)
-_DIGEST_FIELD = re.compile(rb'"gymbridge\.sha256":"([0-9a-f]{64})"')
-_READ_CHUNK = 8 * 2**20
 _WEIGHT_FILES = re.compile(r".*\.(safetensors|bin|pt|pth|ckpt|h5|msgpack|gguf)$|.*\.index\.json$")
 """Files of a model directory that are weights (not copied with its processor files)."""
 
@@ -176,44 +171,12 @@ def find_checkpoint(source: str | Path, step: int | None = None) -> tuple[Path, 
     )
 
 
-def _verify_state_file(path: Path) -> dict[str, str]:
-    """The safetensors ``__metadata__`` of a ``gymbridge.safe_io`` file after checking its sha256 as
-    :func:`gymbridge.safe_io.decode_state` does (the file's digest field zeroed), streamed."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(path, f"truncated: {len(head)} bytes, not even a header length")
-            (n,) = struct.unpack("<Q", head)
-            size = path.stat().st_size
-            if n > 100 * 2**20 or 8 + n > size:
-                raise CheckpointError(path, f"truncated or not a state file: header length {n}, {size} bytes")
-            header = f.read(n)
-            fields = list(_DIGEST_FIELD.finditer(header))
-            if len(fields) != 1:
-                raise CheckpointError(path, "no gymbridge sha256 in the header (not a gymbridge state file)")
-            stored = fields[0].group(1).decode()
-            digest = hashlib.sha256(head)
-            start = fields[0].start(1)
-            digest.update(header[:start])
-            digest.update(b"0" * 64)
-            digest.update(header[start + 64 :])
-            while chunk := f.read(_READ_CHUNK):
-                digest.update(chunk)
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
-    if digest.hexdigest() != stored:
-        raise CheckpointError(
-            path, "sha256 mismatch: the file is corrupt (flipped bits, truncated or edited)"
-        )
-    try:
-        info = json.loads(header)["__metadata__"]
-        meta = json.loads(info["gymbridge.meta"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(path, f"malformed header: {type(exc).__name__}: {exc}") from exc
-    if info.get("gymbridge.format") != STATE_FORMAT or meta.get("format") != CHECKPOINT_FORMAT:
+def _verify_state_file(path: Path) -> None:
+    """Check a run checkpoint file as :func:`gymbridge.safe_io.load_state` does, streamed
+    (:func:`~gymbridge.safe_io.verify_state`), and that it is a run checkpoint."""
+    meta = verify_state(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(path, f"not a {CHECKPOINT_FORMAT} file (format {meta.get('format')!r})")
-    return dict(info)
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
