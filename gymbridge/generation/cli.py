@@ -9,6 +9,8 @@
 
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
 weight group with the server and publishes each policy version (otherwise they answer 403);
+``--enable-lora [--max-lora-rank R] [--max-loras N]`` (``--backend vllm`` only) starts vLLM with its
+LoRA path on, for a LoRA trainer's adapters (docs/generation.md, "LoRA adapters on vLLM");
 ``--prompt-seed S`` seeds unseeded requests per prompt (``PromptSeededGenerator``), as the smoke
 launcher does in its own process; ``--suppress-token-id ID`` (repeated) adds ids never to sample to
 the model's media ids, as a trainer's ``suppress_token_ids`` asks (a run passes them).
@@ -77,6 +79,28 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="accept new policy weights from a trainer (POST /weights/*; refused otherwise)",
     )
     p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="--backend vllm: serve a LoRA trainer's adapters through vLLM's LoRA path (engine arg "
+        "enable_lora)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="--enable-lora: the largest adapter rank vLLM serves, >= trainer.lora.rank (vLLM's default 16; "
+        "one of 1, 8, 16, 32, 64, 128, 256, 320, 512)",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--enable-lora: adapters in one vLLM batch (default 2: a version and the one before it, "
+        "whose requests are still finishing)",
+    )
+    p.add_argument(
         "--prompt-seed", type=int, default=None, help="seed unseeded requests per prompt (reproducible runs)"
     )
     p.add_argument(
@@ -138,6 +162,7 @@ def build_generator(args: argparse.Namespace) -> Any:
 
     reasoning = not args.no_reasoning_parser
     suppressed = tuple(getattr(args, "suppress_token_id", None) or ())
+    lora_engine_args = _vllm_lora_args(args)
     tiny_omni = bool(getattr(args, "tiny_omni", False))
     family = parse_tiny_spec(args.model) if args.model is not None else None
     if (args.tiny or tiny_omni or family is not None) and args.backend != "hf":
@@ -170,6 +195,7 @@ def build_generator(args: argparse.Namespace) -> Any:
 
         return VLLMGenerator(
             args.model,
+            engine_args=lora_engine_args or None,
             max_model_len=args.max_model_len,
             reasoning_parser=reasoning,
             suppress_token_ids=suppressed,
@@ -182,6 +208,34 @@ def build_generator(args: argparse.Namespace) -> Any:
         reasoning_parser=reasoning,
         suppress_token_ids=suppressed,
     )
+
+
+DEFAULT_MAX_LORAS = 2
+"""vLLM's ``max_loras`` with ``--enable-lora``: the current adapter version and the one before it (its
+requests in flight finish on it), in one batch."""
+
+
+def _vllm_lora_args(args: argparse.Namespace) -> dict[str, Any]:
+    """vLLM engine args of ``--enable-lora`` / ``--max-lora-rank`` / ``--max-loras`` (``{}`` without
+    ``--enable-lora``); the flags without it, or on another backend, are a ``ConfigError``."""
+    from gymbridge.errors import ConfigError
+
+    max_rank = getattr(args, "max_lora_rank", None)
+    max_loras = getattr(args, "max_loras", None)
+    if not getattr(args, "enable_lora", False):
+        if max_rank is not None or max_loras is not None:
+            raise ConfigError(["--max-lora-rank / --max-loras configure vLLM's LoRA path: add --enable-lora"])
+        return {}
+    if args.backend != "vllm":
+        hint = "the hf backend takes a LoRA trainer's adapters without it"
+        raise ConfigError([f"--enable-lora is a vLLM engine flag (--backend vllm); {hint}"])
+    for flag, value in (("--max-lora-rank", max_rank), ("--max-loras", max_loras)):
+        if value is not None and value < 1:
+            raise ConfigError([f"{flag} must be >= 1, got {value}"])
+    engine_args: dict[str, Any] = {"enable_lora": True, "max_loras": max_loras or DEFAULT_MAX_LORAS}
+    if max_rank is not None:
+        engine_args["max_lora_rank"] = max_rank
+    return engine_args
 
 
 def weight_sink_for(generator: Any) -> Any:

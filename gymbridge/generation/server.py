@@ -709,6 +709,7 @@ class ModelServer:
         tensors = body.get("tensors")
         if not isinstance(tensors, list):
             raise _BadRequest("'tensors' (the trainer's weight layout) must be a list")
+        await self._prepare_lora(sink, body)
         sink.check([TensorSpec.from_json(t) for t in tensors])
         self._weight_error = None
         self._group_ready = False
@@ -726,6 +727,25 @@ class ModelServer:
 
         self._weight_task = asyncio.create_task(self._run_weight_task("init_group", join()))
         return web.json_response({"status": "joining", "ranks": sink.ranks}, status=202)
+
+    async def _prepare_lora(self, sink: WeightSink, body: dict[str, Any]) -> None:
+        """``init_group``'s ``lora`` (the trainer's adapter settings, or absent): the sink takes them
+        before the layout is checked (an HF model gets the same adapters injected)."""
+        lora = body.get("lora")
+        if lora is not None and not (isinstance(lora, dict) and isinstance(lora.get("r"), int)):
+            raise _BadRequest("'lora' must be the trainer's adapter settings (an object with an int 'r')")
+        prepare = getattr(sink, "prepare_lora", None)
+        if not callable(prepare):
+            if lora is not None:
+                raise _BadRequest(
+                    f"this generator ({type(sink).__name__}) cannot serve LoRA adapters",
+                    kind="WeightSyncError",
+                )
+            return
+        try:
+            await asyncio.to_thread(prepare, lora)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise _BadRequest(f"'lora': {exc}", kind="WeightSyncError") from exc
 
     async def _weights_attach_shared(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
         """``init_group`` with ``transport: shared_memory``: map the trainer's two segments now."""
@@ -747,6 +767,7 @@ class ModelServer:
         except ValueError as exc:
             raise _BadRequest("'nonce' must be hex") from exc
         specs = [TensorSpec.from_json(t) for t in tensors]
+        await self._prepare_lora(sink, body)
         sink.check(specs)
         self._weight_error = None
         self._group_ready = False

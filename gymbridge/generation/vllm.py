@@ -22,7 +22,14 @@ Invariants:
   own ``load_weights``, resets the prefix and encoder caches (a refused reset raises
   :class:`~gymbridge.errors.WeightSyncError`) and resumes: no KV block or encoder output of the old
   weights is reused; a request records the version current when it was submitted;
-* audio reaches vLLM mono at the feature extractor's rate, so both count the same placeholders.
+* audio reaches vLLM mono at the feature extractor's rate, so both count the same placeholders;
+* with a LoRA trainer (:meth:`VLLMGenerator.prepare_lora`) the base weights never travel: each
+  version's adapter tensors are written as a peft adapter directory and registered with vLLM's own
+  LoRA path (``add_lora``, a new ``LoRARequest`` id per version), full tensors (``vision: full``)
+  load through ``load_weights`` (and only they make the swap reset the caches: vLLM keys KV blocks
+  by adapter); every request submitted after the swap carries the version's ``LoRARequest`` (until
+  the first adapter the engine serves the base), and an older adapter and its directory are
+  removed once no request carries it.
 
 The tested vLLM version, the names used and the swap policy in detail: docs/generation.md, "vLLM,
 checked against the real package".
@@ -33,9 +40,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import shutil
+import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from gymbridge.errors import GymbridgeError, WeightSyncError
@@ -62,6 +72,7 @@ __all__ = [
     "collapse_placeholders",
     "generation_from_output",
     "import_vllm",
+    "lora_layout_problems",
     "placeholder_token_ids",
 ]
 
@@ -90,9 +101,16 @@ class WeightSyncWorkerExtension:
     ``self.model_runner`` is the worker's model runner (vLLM sets it up); the methods, reached
     through ``AsyncLLM.collective_rpc``, take only values vLLM's msgpack carries (JSON-like
     data and ``bytes``). Every name is prefixed ``gymbridge_`` so none shadows a worker's own.
+
+    LoRA adapter tensors (:func:`~gymbridge.generation.weights.is_adapter_name`) are not loaded
+    into the model: the first worker of each node keeps them (CPU copies, under peft's file names)
+    until :meth:`gymbridge_write_adapter` writes them as the adapter directory vLLM's LoRA loader
+    reads on every worker of that node.
     """
 
     model_runner: Any
+    gymbridge_adapter: dict[str, Any]
+    """Adapter tensors received since the last :meth:`gymbridge_write_adapter`, by peft file name."""
 
     def gymbridge_load_bucket(self, bucket: dict[str, Any], payload: bytes) -> int:
         """Load one bucket sent in-band: its layout (``Bucket.to_json()``) and its raw bytes.
@@ -132,6 +150,7 @@ class WeightSyncWorkerExtension:
         group = getattr(self, "gymbridge_weight_group", None)
         if group is None:
             raise WeightSyncError("this worker has not joined a weight group")
+        self.gymbridge_clear_adapter()  # what a failed earlier receive left is not this version's
         device = self._gymbridge_device()
         loaded = 0
         for raw in buckets:
@@ -143,12 +162,58 @@ class WeightSyncWorkerExtension:
             del flat
         return loaded
 
+    def gymbridge_clear_adapter(self) -> None:
+        """Drop the adapter tensors kept since the last write (a new version starts)."""
+        self.gymbridge_adapter = {}
+
+    def gymbridge_write_adapter(self, path: str, settings: dict[str, Any]) -> int:
+        """Write the adapter tensors kept since the last write to ``path`` as a peft adapter directory
+        (:func:`gymbridge.generation.lora.write_adapter_dir`, ``settings`` its ``adapter_config.json``)
+        and forget them; returns how many it wrote (0 on a worker that keeps none: not the first of
+        its node). A first worker that kept none raises ``WeightSyncError``."""
+        from gymbridge.generation.lora import write_adapter_dir
+
+        tensors = getattr(self, "gymbridge_adapter", None) or {}
+        self.gymbridge_adapter = {}
+        if not _writes_adapters():
+            return 0
+        if not tensors:
+            raise WeightSyncError("no LoRA adapter tensor arrived since the last adapter was written")
+        write_adapter_dir(path, tensors, settings)
+        return len(tensors)
+
+    def gymbridge_remove_adapter(self, path: str) -> bool:
+        """Remove an adapter directory :meth:`gymbridge_write_adapter` wrote (its node's first worker)."""
+        if not _writes_adapters():
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+
     def _gymbridge_device(self) -> Any:
         return next(self.model_runner.model.parameters()).device
 
     def _gymbridge_load(self, named: Iterable[tuple[str, Any]]) -> None:
+        """Full tensors into the model (its ``load_weights``); adapter tensors kept for the adapter
+        directory, under peft's file name of the checkpoint name vLLM's LoRA loader maps."""
+        from gymbridge.generation.lora import adapter_file_name
+        from gymbridge.generation.weights import is_adapter_name
+
         model = self.model_runner.model
-        model.load_weights(weights=[(checkpoint_name(model, name), t) for name, t in named])
+        keep: bool | None = None  # asked once, and only of a LoRA publication
+        full: list[tuple[str, Any]] = []
+        for name, tensor in named:
+            target = checkpoint_name(model, name)
+            if not is_adapter_name(name):
+                full.append((target, tensor))
+                continue
+            if keep is None:
+                keep = _writes_adapters()
+                if getattr(self, "gymbridge_adapter", None) is None:
+                    self.gymbridge_adapter = {}
+            if keep:
+                self.gymbridge_adapter[adapter_file_name(target)] = tensor.detach().to("cpu", copy=True)
+        if full:
+            model.load_weights(weights=full)
 
 
 SUBMODEL_PREFIXES: tuple[str, ...] = ("thinker.",)
@@ -195,6 +260,13 @@ def _worker_world_rank() -> int:
     from vllm.distributed.parallel_state import get_world_group
 
     return int(get_world_group().rank)
+
+
+def _writes_adapters() -> bool:
+    """Whether this worker writes its node's adapter directories (vLLM's first local rank)."""
+    from vllm.distributed.parallel_state import is_local_first_rank
+
+    return bool(is_local_first_rank())
 
 
 def placeholder_token_ids(hf_config: Any) -> dict[str, int]:
@@ -288,6 +360,16 @@ def generation_from_output(
     return Generation(token_ids, logprobs, finish, reported, policy_version)
 
 
+@dataclass(eq=False)
+class _Adapter:
+    """One adapter version registered with the engine: its ``LoRARequest``, its directory (written by
+    the workers) and how many submitted requests still carry it."""
+
+    request: Any
+    path: str
+    in_flight: int = 0
+
+
 class VLLMGenerator:
     """Generate with vLLM's ``AsyncLLM``; see the module docstring.
 
@@ -355,6 +437,12 @@ class VLLMGenerator:
         self._weights_ready = asyncio.Event()
         self._weights_ready.set()
         self._swap_lock = asyncio.Lock()  # one weight swap at a time
+        self.lora_settings: dict[str, Any] | None = None
+        """The trainer's adapter settings (:meth:`prepare_lora`); ``None``: full weights travel."""
+        self._adapter: _Adapter | None = None  # the adapter new requests carry (None: the base)
+        self._adapters: list[_Adapter] = []  # registered with the engine, not yet removed
+        self._adapter_ids = itertools.count(1)  # vLLM's lora_int_id: > 0, one per version
+        self._adapter_root: tempfile.TemporaryDirectory[str] | None = None
         if processor is None and load_processor:
             try:
                 import transformers
@@ -403,16 +491,32 @@ class VLLMGenerator:
         )
         return prompt, params
 
+    @property
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` every request submitted now carries (``None``: the base model)."""
+        return None if self._adapter is None else self._adapter.request
+
     async def _one(self, inp: GenerationInput, sampling: SamplingConfig) -> Generation:
         prompt, params = self.build_request(inp, sampling)
         request_id = f"gymbridge-{next(self._ids)}"
-        # the version at submission (a swap in progress is waited for): a request in flight
-        # across a swap records the older version
+        # the version (and adapter) at submission (a swap in progress is waited for): a request in
+        # flight across a swap records the older version
         await self._weights_ready.wait()
         version = self.policy_version
+        adapter = self._adapter
+        extra: dict[str, Any] = {}
+        if adapter is not None:
+            adapter.in_flight += 1
+            extra["lora_request"] = adapter.request
         final: Any = None
-        async for out in self.engine.generate(prompt, params, request_id):
-            final = out
+        try:
+            async for out in self.engine.generate(prompt, params, request_id, **extra):
+                final = out
+        finally:
+            if adapter is not None:
+                adapter.in_flight -= 1
+                if adapter is not self._adapter and adapter.in_flight == 0:
+                    await self._retire_unused()
         if final is None or not getattr(final, "finished", True):
             raise VLLMGenerationError(f"request {request_id}: the engine stream ended without a final output")
         return generation_from_output(final, version, inp.prompt_token_ids)
@@ -449,7 +553,9 @@ class VLLMGenerator:
         materialised at a time, through host memory: for large models on their own GPUs the
         trainer's NCCL broadcast (:class:`VLLMWeightSink`) is the fast path. ``bucket_bytes``
         defaults to ``DEFAULT_BUCKET_BYTES`` (64 MiB); ``version``, when given, becomes
-        :attr:`policy_version`.
+        :attr:`policy_version`. After :meth:`prepare_lora` the tensors are a LoRA publication
+        (adapters, and encoder tensors with ``vision: full``): the adapters become a new vLLM
+        adapter (:meth:`load_version`).
         """
         import torch
 
@@ -468,13 +574,15 @@ class VLLMGenerator:
         cpu = torch.device("cpu")
 
         async def load() -> None:
+            if self.lora_settings is not None:
+                await self.engine.collective_rpc("gymbridge_clear_adapter")
             for bucket in buckets:
                 flat = bucket_tensors(bucket, [by_name[s.name] for s in bucket.specs], cpu)
                 payload = bucket_to_bytes(flat)
                 del flat
                 await self.engine.collective_rpc("gymbridge_load_bucket", args=(bucket.to_json(), payload))
 
-        await self.swap_weights(load, version=version)
+        await self.load_version(load, names=list(by_name), version=version)
         logger.info("loaded %d tensors (%d buckets) into vLLM", len(named), len(buckets))
         return len(named)
 
@@ -487,20 +595,144 @@ class VLLMGenerator:
         ``reset_encoder_cache()``. A reset vLLM refuses raises :class:`WeightSyncError`.
         Generation resumes whatever happens; requests submitted meanwhile wait, then record
         ``version`` (set only once the caches are reset). Concurrent swaps run one at a time.
+        New requests then run on the loaded weights without a LoRA adapter.
         """
+        await self._swap(load, version=version, adapter=None, reset_caches=True)
+        await self._retire_unused()
+
+    async def load_version(
+        self, load: Callable[[], Awaitable[Any]], *, names: Sequence[str], version: int | None = None
+    ) -> None:
+        """One publication: ``load`` brings the tensors ``names`` to every worker.
+
+        Without LoRA settings (:meth:`prepare_lora`) it is a :meth:`swap_weights`. With them, the
+        workers write the adapter tensors as a new adapter directory under this generator's
+        temporary folder (``gymbridge_write_adapter``), vLLM registers it
+        (``AsyncLLM.add_lora(LoRARequest(...))``, a new ``lora_int_id`` per version: vLLM caches
+        adapters by id) and requests submitted after the swap carry it. Only when full tensors came
+        too (``vision: full``) are the prefix and encoder caches reset: vLLM keys cached KV blocks by
+        the adapter's name, so no block of an older adapter is reused, and requests in flight finish
+        on the adapter they started with. An older adapter is removed (``remove_lora``, its
+        directory deleted) once no request carries it. A failed publication removes its adapter and
+        leaves the current one in place.
+        """
+        from gymbridge.generation.weights import is_adapter_name
+
+        settings = self.lora_settings
+        if settings is None:
+            await self.swap_weights(load, version=version)
+            return
+        adapter_count = sum(1 for n in names if is_adapter_name(n))
+        adapter = self._new_adapter(version)
+        registered = False
+
+        async def load_and_register() -> None:
+            nonlocal registered
+            await load()
+            written = await self.engine.collective_rpc(
+                "gymbridge_write_adapter", args=(adapter.path, settings)
+            )
+            counts = [int(n) for n in written or () if n]
+            if not counts or any(n != adapter_count for n in counts):
+                raise WeightSyncError(
+                    f"the vLLM workers wrote {counts or 'no'} adapter tensors to {adapter.path}; "
+                    f"{adapter_count} were sent"
+                )
+            registered = True
+            if await self.engine.add_lora(adapter.request) is not True:
+                raise WeightSyncError(f"vLLM did not load the LoRA adapter {adapter.path}")
+
+        try:
+            await self._swap(
+                load_and_register, version=version, adapter=adapter, reset_caches=adapter_count < len(names)
+            )
+        except BaseException:
+            await self._remove_adapter(adapter, registered=registered)
+            raise
+        await self._retire_unused()
+        logger.info("serving LoRA adapter %s (%d tensors)", adapter.request.lora_name, adapter_count)
+
+    async def _swap(
+        self,
+        load: Callable[[], Awaitable[Any]],
+        *,
+        version: int | None,
+        adapter: _Adapter | None,
+        reset_caches: bool,
+    ) -> None:
         async with self._swap_lock:
             self._weights_ready.clear()
             try:
                 await self.engine.pause_generation(mode="keep", clear_cache=False)
                 try:
                     await load()
-                    await self._drop_stale_caches()
+                    if reset_caches:
+                        await self._drop_stale_caches()
                     if version is not None:
                         self.policy_version = version
+                    if adapter is not None:
+                        self._adapters.append(adapter)
+                    self._adapter = adapter
                 finally:
                     await self.engine.resume_generation()
             finally:
                 self._weights_ready.set()
+
+    def prepare_lora(self, settings: Mapping[str, Any] | None) -> None:
+        """Serve a LoRA trainer's adapters (``settings``: :func:`gymbridge.generation.lora.lora_settings`'s
+        dict), or full weights (``None``: the current adapter is served until the next version).
+
+        Refused (:class:`WeightSyncError`) when the engine was started without LoRA (engine args
+        ``enable_lora``, ``max_lora_rank``; ``gymbridge model serve --enable-lora``) or the rank
+        ``settings["r"]`` exceeds its ``max_lora_rank``.
+        """
+        if settings is None:
+            self.lora_settings = None
+            return
+        rank = settings.get("r")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise WeightSyncError(f"the LoRA settings' rank 'r' must be a positive int, got {rank!r}")
+        config = getattr(getattr(self.engine, "vllm_config", None), "lora_config", None)
+        if config is None:
+            raise WeightSyncError(
+                f"the trainer publishes LoRA adapters (rank {rank}) but this vLLM engine was started "
+                "without LoRA: serve with --enable-lora --max-lora-rank R (R >= the rank; engine args "
+                "enable_lora / max_lora_rank)"
+            )
+        max_rank = int(config.max_lora_rank)
+        if rank > max_rank:
+            raise WeightSyncError(
+                f"the trainer's LoRA rank {rank} exceeds this vLLM engine's max_lora_rank {max_rank}: "
+                f"serve with --max-lora-rank >= {rank}"
+            )
+        self.lora_settings = dict(settings)
+
+    def _new_adapter(self, version: int | None) -> _Adapter:
+        from vllm.lora.request import LoRARequest
+
+        if self._adapter_root is None:
+            self._adapter_root = tempfile.TemporaryDirectory(prefix="gymbridge-lora-")
+        lora_id = next(self._adapter_ids)
+        name = f"gymbridge-{lora_id}" if version is None else f"gymbridge-{lora_id}-v{version}"
+        path = str(Path(self._adapter_root.name) / name)
+        return _Adapter(LoRARequest(lora_name=name, lora_int_id=lora_id, lora_path=path), path)
+
+    async def _retire_unused(self) -> None:
+        """Remove every registered adapter that new requests no longer get and none in flight carries."""
+        stale = [a for a in self._adapters if a is not self._adapter and a.in_flight == 0]
+        if not stale:
+            return
+        self._adapters = [a for a in self._adapters if all(a is not s for s in stale)]
+        for adapter in stale:
+            await self._remove_adapter(adapter, registered=True)
+
+    async def _remove_adapter(self, adapter: _Adapter, *, registered: bool) -> None:
+        try:
+            if registered:
+                await self.engine.remove_lora(adapter.request.lora_int_id)
+            await self.engine.collective_rpc("gymbridge_remove_adapter", args=(adapter.path,))
+        except Exception as exc:  # cleanup only: the adapter is no longer served either way
+            logger.warning("could not remove the LoRA adapter %s: %s", adapter.path, exc)
 
     async def _drop_stale_caches(self) -> None:
         try:
@@ -515,6 +747,41 @@ class VLLMGenerator:
         await self.engine.reset_encoder_cache()
 
 
+def lora_layout_problems(names: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
+    """Every way the tensor ``names`` of one publication are not what a LoRA trainer with ``settings``
+    sends vLLM; ``[]`` if none.
+
+    A LoRA publication carries the adapters (:func:`~gymbridge.generation.weights.is_adapter_name`:
+    ``lora_A`` / ``lora_B``; DoRA's magnitude vectors are refused, vLLM has no DoRA) and, with
+    ``vision: full`` or ``full_modules`` only, full tensors that the model's ``load_weights`` takes.
+    The base weights never travel: a peft-wrapped base weight (``.base_layer.``) is refused.
+    """
+    from gymbridge.generation.weights import is_adapter_name
+
+    vision = settings.get("vision", "frozen")
+    in_full = {str(m) for m in settings.get("full_modules") or ()}
+    problems: list[str] = []
+    full: list[str] = []
+    for name in names:
+        if ".lora_magnitude_vector" in name:
+            problems.append(f"{name}: a DoRA magnitude vector (vLLM serves no DoRA)")
+        elif is_adapter_name(name):
+            continue
+        elif ".base_layer." in name:
+            problems.append(f"{name}: a LoRA-wrapped base weight (the base model never travels)")
+        elif vision != "full" and not (in_full & set(name.split(".")[:-1])):
+            full.append(name)
+    if full:
+        shown = ", ".join(full[:3]) + (", ..." if len(full) > 3 else "")
+        problems.append(
+            f"{len(full)} full tensor(s) ({shown}) in a LoRA publication with vision {vision!r}: only "
+            "adapters travel (vision 'full' publishes the encoders' tensors)"
+        )
+    if not any(is_adapter_name(n) for n in names):
+        problems.append("a LoRA publication carries its adapter tensors (lora_A / lora_B); none is named")
+    return problems
+
+
 class VLLMWeightSink:
     """The model server's :class:`~gymbridge.generation.weights.WeightSink` for a :class:`VLLMGenerator`.
 
@@ -523,6 +790,8 @@ class VLLMWeightSink:
     version loaded. Layout names are Hugging Face names that each worker's ``load_weights``
     maps (vLLM fuses q/k/v and gate/up), so here they are checked for duplicates only; a name
     the model does not know fails inside ``load_weights`` and the version is marked failed.
+    A LoRA trainer's settings (:meth:`prepare_lora`, before :meth:`check`) make each version an
+    adapter registered through vLLM's LoRA path (:meth:`VLLMGenerator.load_version`).
     """
 
     def __init__(self, generator: VLLMGenerator) -> None:
@@ -535,10 +804,21 @@ class VLLMWeightSink:
     def policy_version(self) -> int:
         return self.generator.policy_version
 
+    def prepare_lora(self, settings: dict[str, Any] | None) -> None:
+        """The trainer's LoRA settings (``init_group``'s ``lora``): :meth:`VLLMGenerator.prepare_lora`."""
+        self.generator.prepare_lora(settings)
+
     def check(self, specs: Sequence[Any]) -> None:
+        """Refuse a layout that names a tensor twice; with LoRA settings, one that is not a LoRA
+        publication (:func:`lora_layout_problems`)."""
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise WeightSyncError("the weight layout names a tensor twice")
+        settings = self.generator.lora_settings
+        if settings is not None:
+            from gymbridge.generation.weights import raise_on_problems
+
+            raise_on_problems(lora_layout_problems(names, settings))
 
     async def join(
         self, *, host: str, port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
@@ -561,7 +841,8 @@ class VLLMWeightSink:
         async def load() -> None:
             await engine.collective_rpc("gymbridge_receive_weights", args=(payload, timeout_s))
 
-        await self.generator.swap_weights(load, version=version)
+        names = [s.name for b in buckets for s in b.specs]
+        await self.generator.load_version(load, names=names, version=version)
         return time.perf_counter() - started
 
     def mark_loaded(self, version: int, outcome: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -57,10 +58,12 @@ __all__ = [
     "bucket_to_bytes",
     "check_layout",
     "dtype_from_name",
+    "is_adapter_name",
     "loaded_key",
     "named_weights",
     "open_weight_group",
     "plan_buckets",
+    "published_weights",
     "raise_on_problems",
     "single_tensor",
     "weight_store",
@@ -75,6 +78,16 @@ DEFAULT_ALONE_BYTES = 1024 * 1024
 
 Backend = Literal["gloo", "nccl"]
 GROUP_NAME = "gymbridge-weights"
+
+PUBLISHED_NAMES_ATTR = "gymbridge_published_names"
+"""The model attribute naming what a LoRA model publishes (:func:`gymbridge.generation.lora.apply_lora`
+sets it: a frozenset of state-dict names); absent, the whole model is published."""
+ADAPTER_PATTERN = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether a state-dict name is a peft LoRA adapter tensor's (``x.lora_A.default.weight``)."""
+    return ADAPTER_PATTERN.search(name) is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +178,16 @@ def named_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def published_weights(model: Any) -> list[tuple[str, torch.Tensor]]:
+    """What a publication sends of ``model``: :func:`named_weights`, less what a LoRA model never
+    changes (only the names in its :data:`PUBLISHED_NAMES_ATTR`: adapters and fully trained tensors)."""
+    named = named_weights(model)
+    keep = getattr(model, PUBLISHED_NAMES_ATTR, None)
+    if not isinstance(keep, frozenset):
+        return named
+    return [(n, t) for n, t in named if n in keep]
+
+
 def plan_buckets(
     named: Sequence[tuple[str, torch.Tensor]],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -200,11 +223,13 @@ def plan_buckets(
     return buckets
 
 
-def check_layout(specs: Sequence[TensorSpec], model: Any) -> list[str]:
+def check_layout(specs: Sequence[TensorSpec], model: Any, *, partial: bool = False) -> list[str]:
     """Every way ``specs`` (what a sender has) disagree with ``model`` (the receiver); ``[]`` if none.
 
     Names unknown to ``model``, shape or dtype differences, and entries of ``model`` that no
-    spec updates (unless they alias an updated one) are all listed.
+    spec updates (unless they alias an updated one) are all listed. ``partial`` (a LoRA
+    publication): entries never sent are fine, except adapter tensors (:func:`is_adapter_name`):
+    every adapter of the receiver must be sent, or it would serve a stale one.
     """
     own = dict(model.state_dict())
     problems: list[str] = []
@@ -224,6 +249,8 @@ def check_layout(specs: Sequence[TensorSpec], model: Any) -> list[str]:
             problems.append(f"{spec.name}: dtype {spec.dtype} sent, {_dtype_name(target.dtype)} here")
     updated = {own[n].data_ptr() for n in sent if n in own and own[n].numel()}
     for name, tensor in own.items():
+        if partial and not is_adapter_name(name):
+            continue
         if name not in sent and tensor.numel() and tensor.data_ptr() not in updated:
             problems.append(f"{name}: a weight of the receiving model that is never sent")
     return problems
@@ -489,13 +516,37 @@ class WeightReceiver:
         self._shared_groups: list[list[torch.Tensor]] = []
         """Per shared spec: every tensor object of the model over its storage (aliases included)."""
         self.transport = "broadcast"
+        self.lora: dict[str, Any] | None = None
+        """The trainer's adapter settings (:meth:`prepare_lora`): only published tensors arrive."""
 
     @property
     def policy_version(self) -> int:
         return self.target.policy_version
 
+    def prepare_lora(self, settings: dict[str, Any] | None) -> None:
+        """Take the trainer's LoRA settings (``None``: a full-weight trainer). A model without adapters
+        gets them injected (:func:`gymbridge.generation.lora.apply_lora`, the same modules and rank);
+        one holding other adapters is refused (:class:`WeightSyncError`)."""
+        from gymbridge.generation.lora import apply_lora, lora_settings
+
+        if settings is None:
+            if lora_settings(self.target.model) is not None:
+                raise WeightSyncError("this model holds LoRA adapters; the trainer publishes full weights")
+            self.lora = None
+            return
+        held = lora_settings(self.target.model)
+        wanted = {k: v for k, v in settings.items() if k != "vision"}
+        if held is None:
+            with self.target.weights_lock:
+                apply_lora(self.target.model, settings)
+        elif {k: v for k, v in held.items() if k != "vision"} != wanted:
+            raise WeightSyncError(
+                f"this model holds other LoRA adapters ({held}) than the trainer's ({settings})"
+            )
+        self.lora = dict(settings)
+
     def check(self, specs: Sequence[TensorSpec]) -> None:
-        raise_on_problems(check_layout(specs, self.target.model))
+        raise_on_problems(check_layout(specs, self.target.model, partial=self.lora is not None))
 
     async def join(
         self, *, host: str, port: int, rank_offset: int, world_size: int, backend: Backend, timeout_s: float
@@ -562,7 +613,7 @@ class WeightReceiver:
         is swapped yet. Refused for a model off the CPU and for a segment failing the handshake."""
         from gymbridge.generation.shared_weights import SharedWeightsReader
 
-        raise_on_problems(check_layout(specs, self.target.model))
+        raise_on_problems(check_layout(specs, self.target.model, partial=self.lora is not None))
         device = _model_device(self.target.model)
         if device.type != "cpu":
             raise WeightSyncError(f"shared-memory weight sync needs the model on the CPU; it is on {device}")

@@ -18,9 +18,10 @@ starts it afresh in ``DIR`` when it has none. ``gymbridge smoke run --env NAME``
 environment at its small smoke size (its data module's ``SMOKE_PARAMS``).
 
 ``gymbridge export RUN_DIR --out DIR`` writes the run's newest checkpoint (or ``--step N``) as a
-Hugging Face model directory (:func:`gymbridge.trainer.export.export_hf`, docs/export.md); the model
-class, config and processor are rebuilt offline from the run's ``config.yaml``
-(:func:`run_model_parts`).
+Hugging Face model directory, or a LoRA run's as a peft adapter directory (``--merge``: the merged
+model, the adapter in ``DIR/adapter/``; :func:`gymbridge.trainer.export.export_run`,
+docs/export.md); the model class, config, processor and base weights are rebuilt offline from the
+run's ``config.yaml`` (:func:`run_model_parts`).
 
 Invariant: nothing here trains; it turns the command line into a :class:`~gymbridge.run.RunConfig`
 and calls :func:`gymbridge.run.train` (or, for ``export``, the exporter).
@@ -199,7 +200,10 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         "safetensors weights (sharded past --max-shard-size, with model.safetensors.index.json), "
         "config.json, generation_config.json and the processor / tokenizer / chat template. "
         "transformers' from_pretrained, vLLM, `gymbridge model serve --model DIR` and "
-        "`gymbridge train --model DIR` load it as is (docs/export.md)."
+        "`gymbridge train --model DIR` load it as is. A LoRA run's checkpoint is written as a peft "
+        "adapter directory (adapter_config.json, adapter_model.safetensors, the processor files; "
+        "PeftModel.from_pretrained loads it onto the run's base model), or with --merge as the model "
+        "above with the adapters merged in and the adapter in DIR/adapter/ (docs/export.md)."
     )
     parser.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="the run directory (holds config.yaml)")
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="the directory to write")
@@ -217,6 +221,13 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
         default="5GB",
         metavar="SIZE",
         help="largest weights file, as save_pretrained reads it (5GB, 500MB, 2GiB; default 5GB)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: write the model with the adapters merged into its base weights at DIR, as a "
+        "full fine-tuning run's export, and the adapter in DIR/adapter/ (default: the adapter at DIR); "
+        "a full fine-tuning run's export is the model either way",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace DIR when it exists and is not empty"
@@ -237,11 +248,14 @@ def _saved_config(run_dir: Path) -> RunConfig:
 def run_model_parts(config: RunConfig) -> ModelParts:
     """What an export of a run of ``config`` takes from its model, rebuilt offline.
 
-    A tiny model is rebuilt from its seed (its class, config and processor; ``tiny`` by the
-    environment's modalities, as the run picked it); a model directory gives its config and has
-    its processor / tokenizer files copied.
+    A tiny model is rebuilt from its seed (its class, config, processor and, for a LoRA run's merge,
+    its weights; ``tiny`` by the environment's modalities, as the run picked it); a model directory
+    gives its config, has its processor / tokenizer files copied and its safetensors read as the
+    base weights of a merge (:func:`~gymbridge.trainer.export.model_dir_weights`, lazily).
     """
-    from gymbridge.trainer.export import ModelParts
+    import functools
+
+    from gymbridge.trainer.export import ModelParts, model_dir_weights
 
     name = config.model.name
     if config.model.is_tiny:
@@ -253,8 +267,7 @@ def run_model_parts(config: RunConfig) -> ModelParts:
 
             modalities = tuple(resolve_env(config.env.name).modalities)
         model = pick_model(name, config.model.seed, modalities)
-        policy = model.policy
-        return ModelParts(type(policy), policy.config, policy.generation_config, model.processor)
+        return ModelParts.of_model(model.policy, model.processor, base_model=model.name)
     import transformers
 
     from gymbridge.generation.cli import check_model_dir
@@ -270,13 +283,20 @@ def run_model_parts(config: RunConfig) -> ModelParts:
     generation: Any = None
     if (folder / "generation_config.json").is_file():
         generation = transformers.GenerationConfig.from_pretrained(str(folder), local_files_only=True)
-    return ModelParts(model_class, hf_config, generation, processor_dir=folder)
+    return ModelParts(
+        model_class,
+        hf_config,
+        generation,
+        processor_dir=folder,
+        base_weights=functools.partial(model_dir_weights, folder, model_class, hf_config),
+        base_model=str(folder.resolve()),
+    )
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
     import sys
 
-    from gymbridge.trainer.export import ShardWritten, export_hf
+    from gymbridge.trainer.export import ShardWritten, export_run
 
     config = _saved_config(args.run_dir)
     dtype = args.dtype or config.trainer.dtype
@@ -291,18 +311,20 @@ def _cmd_export(args: argparse.Namespace) -> int:
             flush=True,
         )
 
-    result = export_hf(
+    result = export_run(
         args.run_dir,
         args.out,
         parts=run_model_parts(config),
         step=args.step,
         dtype=dtype,
         max_shard_size=args.max_shard_size,
+        merge=args.merge,
         overwrite=args.overwrite,
         on_shard=progress,
     )
+    what = "" if result.kind == "full" else f" as {result.what}"
     print(
-        f"exported step {result.step} ({result.checkpoint.name}) to {result.out_dir}: "
+        f"exported step {result.step} ({result.checkpoint.name}) to {result.out_dir}{what}: "
         f"{result.num_tensors} tensors, {result.num_bytes / 2**20:.1f} MiB in {len(result.files)} file(s), "
         f"{result.elapsed_s:.1f}s",
         file=sys.stderr,

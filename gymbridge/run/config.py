@@ -215,6 +215,11 @@ class OutputConfig(StrictModel):
     """``final``: at the end, write ``RUN_DIR/export/`` from the final checkpoint, a Hugging Face model
     directory (``from_pretrained``, vLLM, ``--model DIR``; docs/export.md) in ``trainer.dtype``;
     ``none``: checkpoints only (``gymbridge export RUN_DIR --out DIR`` writes one later)."""
+    export_merge: bool = False
+    """With ``export: final`` on a LoRA run (``trainer.lora.rank`` > 0): ``RUN_DIR/export/`` is the model
+    with the adapters merged into its base (as a full run's export) and the adapter goes in
+    ``RUN_DIR/export/adapter/``; ``false``: ``RUN_DIR/export/`` is the peft adapter directory. A full
+    fine-tuning run's export is the model either way."""
 
     @field_validator("run_dir")
     @classmethod

@@ -112,6 +112,8 @@ class GRPORun:
         self._resumed_shards: Path | None = None
         """A sharded checkpoint this run resumed from, whose slices the FSDP workers load."""
         self._checkpointed = 0
+        self._trainer_keys: dict[str, Any] = {}
+        """The trainer's fixed facts every ``metrics.jsonl`` record carries (``kl_reference``, LoRA)."""
         # set by setup()
         self.run_dir: RunDir
         self.model: RunModel
@@ -309,6 +311,17 @@ class GRPORun:
 
         cfg = self.config
         policy = self.model.policy
+        if cfg.trainer.lora.enabled:  # before anything collects the policy's parameters
+            from gymbridge.generation.lora import apply_lora
+
+            try:
+                lora = apply_lora(policy, cfg.trainer.lora, init_seed=cfg.seed)
+            except ValueError as exc:
+                raise ConfigError([str(exc)]) from exc
+            self.say(
+                f"{lora.describe()}; vision tower {cfg.trainer.lora.vision}; "
+                "only these publish and checkpoint"
+            )
         # fp32 master weights on every path: bf16 autocast here and on replicated DP workers, FSDP's
         # mixed precision on sharded ones; the generator and the KL reference get the trainer's dtype
         try:  # frozen encoders, checkpointed blocks: before the trainer collects its parameters
@@ -318,6 +331,13 @@ class GRPORun:
         self.say(memory.describe())
         # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
         self.trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.bridge.max_staleness == 0)
+        self._trainer_keys = {
+            "kl_reference": self.trainer.kl_reference,
+            "lora_rank": cfg.trainer.lora.rank,
+            "trainable_params": memory.trainable_params,
+        }
+        if self.trainer.kl_reference == "base_adapters_off":
+            self.say("KL reference: the base model with the adapters off (no reference copy)")
         if self._resuming:
             fsdp = bool(cfg.dp.workers) and cfg.dp.strategy == "fsdp"
             # fsdp: the workers load their slices of a sharded checkpoint's optimizer state, not the driver
@@ -498,14 +518,18 @@ class GRPORun:
         metrics = await asyncio.to_thread(self._update, got.batch)
         trained = time.perf_counter()
         sync_s = 0.0
+        sync_bytes = 0
         published = False
         if metrics.skipped is None:  # the optimizer stepped: a new policy version
             self.version += 1
             if self._publish is not None:
                 sync_s = await asyncio.to_thread(self._publish, self.version)
+                sync_bytes = self._published_bytes()
                 published = True
         synced = time.perf_counter()
-        metrics = replace(metrics, policy_version=self.version, weight_sync_s=sync_s)
+        metrics = replace(
+            metrics, policy_version=self.version, weight_sync_s=sync_s, weight_sync_bytes=sync_bytes
+        )
         env_mean, bonus_mean = group_rewards(got.groups)
         step = self.next_step
         self.next_step += 1
@@ -539,6 +563,7 @@ class GRPORun:
                 checkpoint_s=self._tail["checkpoint"],
             ),
             dp=self._dp_keys(),
+            trainer={**self._trainer_keys, "kl_reference": self.trainer.kl_reference},  # fsdp: "sharded"
             counters_unavailable=self.counters.unavailable,
         )
         record = report.record()
@@ -557,6 +582,13 @@ class GRPORun:
         self.summary.add(report, record)
         for cb in self.callbacks:
             cb.on_step(report, record)
+
+    def _published_bytes(self) -> int:
+        """Bytes the last publication sent (0 when the publisher does not say)."""
+        services = getattr(self, "services", None)  # not set on a run built from parts
+        handle = services.generator if services is not None else None
+        publisher = getattr(handle, "publisher", None)
+        return int(getattr(publisher, "last_bytes", 0) or 0)
 
     def _dp_keys(self) -> dict[str, Any]:
         if self.dp is None:
@@ -646,20 +678,26 @@ class GRPORun:
             self.say(s.payload_table)
         if cfg.output.export == "final" and self._checkpointed:  # RUN_DIR/export/: docs/export.md
             from gymbridge.errors import CheckpointError
-            from gymbridge.trainer.export import ModelParts, export_hf
+            from gymbridge.trainer.export import ModelParts, export_run
 
-            policy, out = self.model.policy, self.run_dir.path / "export"
-            parts = ModelParts(type(policy), policy.config, policy.generation_config, self.model.processor)
+            out = self.run_dir.path / "export"
+            parts = ModelParts.of_model(self.model.policy, self.model.processor, base_model=self.model.name)
             try:
                 done = await asyncio.to_thread(
-                    export_hf, self.run_dir.path, out, parts=parts, dtype=cfg.trainer.dtype, overwrite=True
+                    export_run,
+                    self.run_dir.path,
+                    out,
+                    parts=parts,
+                    dtype=cfg.trainer.dtype,
+                    merge=cfg.output.export_merge,
+                    overwrite=True,
                 )
-            except (CheckpointError, OSError, NotImplementedError) as exc:
+            except (CheckpointError, ConfigError, OSError, NotImplementedError) as exc:
                 self.say(f"\nexport FAILED ({exc}); retry: gymbridge export {self.run_dir.path} --out DIR")
             else:
                 s.export_dir = str(out)
                 self.say(
-                    f"\nexport: step {done.step} as a Hugging Face model ({done.dtype}, "
+                    f"\nexport: step {done.step} as {done.what} ({done.dtype}, "
                     f"{done.num_bytes / 2**20:.1f} MiB, {done.elapsed_s:.2f}s) -> {out}"
                 )
         s.elapsed_s = time.perf_counter() - self._started

@@ -85,6 +85,8 @@ class StepReport:
     """Seconds per phase of the step (:data:`gymbridge.run.timing.PHASES`, summing to ``step_s``)."""
     dp: dict[str, Any] = field(default_factory=dict)
     """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """The trainer's fixed facts (``kl_reference``, ``lora_rank``, ``trainable_params``); ``{}`` without."""
     counters_unavailable: dict[str, str] = field(default_factory=dict)
     """Counter sources that could not be read (name -> why): their phases are in ``wait_rollouts``
     (:attr:`gymbridge.run.timing.StepCounters.unavailable`)."""
@@ -147,6 +149,7 @@ class StepReport:
                 "counters_unavailable": dict(self.counters_unavailable),
                 **{f"timing/{phase}": seconds for phase, seconds in self.timing.items()},
                 **self.dp,
+                **self.trainer,
             }
         )
         return record

@@ -68,9 +68,28 @@ class Services:
         return StepCounters(model, agent)
 
 
-def _policy_in_dtype(factory: Callable[[int], Any], dtype: torch.dtype, seed: int) -> Any:
-    """``factory(seed)`` cast to ``dtype`` (the in-process generator's model, in the trainer's dtype)."""
-    return factory(seed).to(dtype)
+def _policy_in_dtype(
+    factory: Callable[[int], Any], dtype: torch.dtype, seed: int, lora: dict[str, Any] | None = None
+) -> Any:
+    """``factory(seed)`` cast to ``dtype`` (the in-process generator's model, in the trainer's dtype),
+    with the trainer's LoRA adapters injected when ``lora`` (:func:`gymbridge.trainer.lora.lora_settings`)."""
+    model = factory(seed)
+    if lora is not None:
+        from gymbridge.generation.lora import apply_lora
+
+        apply_lora(model, lora)
+    return model.to(dtype)
+
+
+def _serve_flags(flags: str | tuple[str, ...], lora_rank: int) -> str | tuple[str, ...]:
+    """The model server's flags, with vLLM's LoRA engine switched on for a LoRA trainer's adapters
+    (an HF server injects them itself when the trainer opens its weight group)."""
+    given = (flags,) if isinstance(flags, str) else tuple(flags)
+    if lora_rank == 0 or "vllm" not in given:
+        return flags
+    # vLLM 0.33 takes these maximum ranks only (its LoRAConfig.max_lora_rank): the next one up
+    cap = next((r for r in (1, 8, 16, 32, 64, 128, 256, 320, 512) if r >= lora_rank), lora_rank)
+    return (*given, "--enable-lora", "--max-lora-rank", str(cap))
 
 
 def _forced_tokens(text: str | None, generator: Any) -> list[int] | None:
@@ -92,6 +111,7 @@ async def start_services(
     meter: PayloadMeter,
 ) -> Services:
     """Start what ``cfg`` needs (module docstring); everything is stopped by ``stack``."""
+    from gymbridge.generation.lora import lora_settings
     from gymbridge.run.placement import start_generator
     from gymbridge.server import start_server
 
@@ -125,8 +145,10 @@ async def start_services(
         default_max_tokens=cfg.rollout.max_tokens,
         prompt_seed=cfg.seed if cfg.rollout.reproducible and not native else None,
         model_name=model.name,
-        policy_factory=functools.partial(_policy_in_dtype, model.policy_factory, cfg.trainer.torch_dtype),
-        serve_flag=model.serve_flag,
+        policy_factory=functools.partial(
+            _policy_in_dtype, model.policy_factory, cfg.trainer.torch_dtype, lora=lora_settings(model.policy)
+        ),
+        serve_flag=_serve_flags(model.serve_flag, cfg.trainer.lora.rank),
         suppress_token_ids=cfg.trainer.suppress_token_ids,
         log_dir=run_path,
         port=cfg.generator.port,

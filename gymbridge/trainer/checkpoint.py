@@ -18,6 +18,10 @@ A checkpoint of step ``s`` (``DIR/checkpoints/``) is
   :func:`~gymbridge.safe_io.save_state` file with the RNG tensors and the same JSON as above
   less the optimizer's. The driver never holds the optimizer state; a folder loads on any number of
   FSDP workers (each reads its slices), into one process, or into replicated workers;
+* with LoRA (:mod:`gymbridge.trainer.lora`) both kinds hold only what training changes (the
+  adapters, and the encoders with ``vision: full``) and their optimizer state, and the JSON says
+  ``lora`` (the adapter settings): the base weights are the run's model source; a checkpoint loads
+  only into a model with the same settings (full weights into full weights);
 * ``latest.json``: ``{"format", "step", "state", "kind"}`` (``kind``: ``"file"`` or
   ``"sharded"``; a pointer without one is a file's), written **last** and atomically, so a
   crash while a checkpoint is being written leaves ``latest.json`` on the previous one.
@@ -43,6 +47,7 @@ import orjson
 import torch
 
 from gymbridge.errors import CheckpointError
+from gymbridge.generation.lora import lora_settings, published_names
 from gymbridge.safe_io import load_state, save_state, write_atomic
 
 if TYPE_CHECKING:
@@ -153,11 +158,13 @@ def save_checkpoint(
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     name = _name(step)
-    tensors = {f"model.{k}": v.detach() for k, v in trainer.model.state_dict().items()}
+    tensors = {f"model.{k}": v.detach() for k, v in _saved_weights(trainer.model).items()}
     if trainer.reference is not None:
         tensors.update({f"reference.{k}": v.detach() for k, v in trainer.reference.state_dict().items()})
     optim_tensors, optim_meta = _optimizer_state(trainer.optimizer)
     rng_tensors, meta = _run_meta(step, policy_version, trainer, done_task_indices)
+    if (lora := lora_settings(trainer.model)) is not None:
+        meta["lora"] = lora
     ckpt = root / f"{name}.ckpt"
     save_state(ckpt, {**tensors, **optim_tensors, **rng_tensors}, {**meta, "optimizer": optim_meta})
     _point_and_prune(root, step, ckpt, "file", keep)
@@ -190,6 +197,34 @@ def save_sharded_checkpoint(
     save_state(folder / RUN_STATE, rng_tensors, {**meta, "kind": "sharded"})
     _point_and_prune(root, step, folder, "sharded", keep)
     return folder
+
+
+def _saved_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps of ``model``: every entry, or with LoRA only what training changes
+    (:func:`~gymbridge.trainer.lora.published_names`: the base is the run's model source)."""
+    state = model.state_dict()
+    keep = published_names(model)
+    return state if keep is None else {k: v for k, v in state.items() if k in keep}
+
+
+def _without_dropout(settings: Any) -> Any:
+    return (
+        {k: v for k, v in settings.items() if k != "lora_dropout"} if isinstance(settings, dict) else settings
+    )
+
+
+def _check_lora(path: Path, saved: Any, model: torch.nn.Module) -> None:
+    """A checkpoint's ``lora`` settings (``None``: full weights) must be the model's."""
+    held = lora_settings(model)
+    if _without_dropout(saved) == _without_dropout(held):  # dropout may change on a resume
+        return
+    if held is None:
+        raise CheckpointError(
+            path, f"holds LoRA adapters ({saved}); this run trains full weights (trainer.lora off)"
+        )
+    if saved is None:
+        raise CheckpointError(path, f"holds full weights; this run trains LoRA adapters ({held})")
+    raise CheckpointError(path, f"holds LoRA adapters {saved}, this run's are {held}")
 
 
 def _run_meta(
@@ -286,8 +321,16 @@ def load_checkpoint(
     except KeyError as exc:
         raise CheckpointError(ckpt, "malformed run state: no optimizer") from exc
     weights = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    _check_lora(ckpt, meta.get("lora"), trainer.model)
+    keep = published_names(trainer.model)
     try:
-        trainer.model.load_state_dict(weights, strict=True)
+        if keep is None:
+            trainer.model.load_state_dict(weights, strict=True)
+        elif set(weights) != keep:
+            wrong = sorted(set(weights) ^ keep)
+            raise RuntimeError(f"{len(wrong)} adapter tensors differ, e.g. {wrong[:3]}")
+        else:
+            trainer.model.load_state_dict(weights, strict=False)
     except RuntimeError as exc:
         raise CheckpointError(ckpt, f"weights do not fit this model: {exc}") from exc
     if trainer.reference is not None:
@@ -327,7 +370,7 @@ def _copy_weights(folder: Path, prefix: str, model: torch.nn.Module) -> None:
     """Copy the checkpoint's ``prefix`` tensors into ``model``'s state dict, one whole tensor at a time."""
     from gymbridge.trainer.sharded_checkpoint import INDEX_NAME, iter_full_tensors
 
-    targets = model.state_dict()
+    targets = _saved_weights(model)
     seen: set[str] = set()
     with torch.no_grad():
         for name, tensor in iter_full_tensors(folder, prefix=prefix):
@@ -358,6 +401,7 @@ def _load_sharded(folder: Path, expected_step: int, trainer: GRPOTrainer, optimi
         raise CheckpointError(
             folder / INDEX_NAME, f"holds step {shards_meta.get('run_step')!r}, {RUN_STATE} says {step}"
         )
+    _check_lora(folder / INDEX_NAME, shards_meta.get("lora"), trainer.model)
     _copy_weights(folder, "model.", trainer.model)
     if trainer.reference is not None:
         _copy_weights(folder, "reference.", trainer.reference)

@@ -38,6 +38,7 @@ from pydantic import Field, model_validator
 
 from gymbridge.config import StrictModel
 from gymbridge.errors import PolicyDriftError, SamplingMismatchError
+from gymbridge.generation.lora import LoRAConfig, adapter_dropout, adapters_disabled, has_lora
 from gymbridge.generation.types import GREEDY_BELOW_TEMPERATURE, is_greedy
 from gymbridge.trainer.encoder import EncoderStats
 from gymbridge.trainer.forward import media_kwargs, scored_logprobs, token_logprobs
@@ -154,6 +155,10 @@ class GRPOConfig(StrictModel):
     freeze_vision_tower: bool = False
     """Train without the vision and audio encoders: their parameters get ``requires_grad=False``
     (:func:`gymbridge.trainer.memory.freeze_encoders`); a model without one is refused."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """LoRA adapters on the language model instead of full fine-tuning (``rank: 0``, the default:
+    off): :mod:`gymbridge.trainer.lora`, docs/run.md (*LoRA*). With LoRA the KL reference is the
+    base model (the adapters switched off) and only the adapters are published and checkpointed."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -213,6 +218,15 @@ class GRPOConfig(StrictModel):
         return self.lr_warmup_steps > 0 or self.lr_schedule != "constant"
 
     @model_validator(mode="after")
+    def _one_rule_for_the_tower(self) -> GRPOConfig:
+        if self.lora.enabled and self.lora.vision == "full" and self.freeze_vision_tower:
+            raise ValueError(
+                "trainer.lora.vision=full trains the vision tower, trainer.freeze_vision_tower=true freezes "
+                "it: set one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _cap_above_clip(self) -> GRPOConfig:
         if self.is_cap is not None and self.is_cap < 1.0 + self.clip_eps_high:
             raise ValueError(
@@ -246,6 +260,8 @@ class StepMetrics:
     """The policy version published after this step (optimizer steps so far); set by the run."""
     weight_sync_s: float = 0.0
     """Seconds spent publishing this step's weights to the generator; set by the run."""
+    weight_sync_bytes: int = 0
+    """Bytes of tensors this step's publication sent (with LoRA: the adapters only); set by the run."""
     is_capped_fraction: float = 0.0
     """Loss tokens whose importance weight ``GRPOConfig.is_cap`` truncated, over all loss tokens."""
     packed_sequences: int = 0
@@ -423,8 +439,21 @@ class GRPOTrainer:
         self.steps = 0
         self.reference: Any | None = reference
         """The frozen reference policy (``kl_coef > 0``; ``None`` otherwise)."""
+        self.lora = has_lora(model)
+        """The policy holds LoRA adapters (:func:`gymbridge.trainer.lora.apply_lora`): with ``kl_coef > 0``
+        the reference is the same model with its adapters off, no copy."""
         if self.config.kl_coef > 0 and reference is None:
             self.freeze_reference()
+
+    @property
+    def kl_reference(self) -> str | None:
+        """Where the KL reference comes from: ``"base_adapters_off"`` (LoRA), ``"copy"`` (a frozen
+        copy here), ``"sharded"`` (FSDP workers hold it) or ``None`` (``kl_coef == 0``)."""
+        if self.config.kl_coef <= 0:
+            return None
+        if self.lora:
+            return "base_adapters_off"
+        return "copy" if self.reference is not None else "sharded"
 
     def freeze_reference(self) -> None:
         """Take (or re-take) the reference policy: a frozen copy of the policy's current weights.
@@ -432,9 +461,13 @@ class GRPOTrainer:
         The reference is always held in the trainer's dtype (``GRPOConfig.dtype``), whatever the
         policy's dtype when it is taken (a run freezes it after its fp32 warm-up, before the cast),
         so a fresh run, a resumed one and every DP worker score the KL against the same numbers.
+        A LoRA policy keeps no copy: its reference is its base model (adapters off), already frozen.
         """
         if self.config.kl_coef <= 0:
             raise ValueError("freeze_reference: kl_coef is 0, the trainer keeps no reference policy")
+        if self.lora:
+            self.reference = None
+            return
         ref = copy.deepcopy(self.model).to(self.config.torch_dtype)
         ref.eval()
         for p in ref.parameters():
@@ -501,6 +534,8 @@ class GRPOTrainer:
             return result
         lead = next((mb for mb in mbs if float(mb.loss_mask.sum()) > 0), None)
         self.model.eval()
+        if self.lora and cfg.lora.dropout > 0:
+            adapter_dropout(self.model, True)  # only the adapters' dropout: the base stays in eval mode
         loss_sum = ratio_sum = kl_sum = ref_kl_sum = entropy_sum = 0.0
         clipped = capped = dual = outside = tokens_run = padding = sequences = 0
         first: tuple[float, float] | None = None
@@ -522,6 +557,9 @@ class GRPOTrainer:
             if self.reference is not None:
                 with torch.no_grad():
                     ref_lp, _, _ = score(self.reference)
+            elif self.lora and cfg.kl_coef > 0:
+                with torch.no_grad(), adapters_disabled(self.model):
+                    ref_lp, _, _ = score(self.model)
             run = mb.num_tokens if packed else len(mb) * mb.seq_len
             padding += run - mb.num_tokens
             sequences += int(packed)

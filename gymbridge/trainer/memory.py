@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from gymbridge.families.encoders import ENCODER_NAMES, encoder_modules
+
 if TYPE_CHECKING:
     from gymbridge.trainer.grpo import GRPOConfig
 
@@ -47,10 +49,6 @@ __all__ = [
     "prepare_policy",
     "trainable_parameters",
 ]
-
-ENCODER_NAMES: tuple[str, ...] = ("visual", "vision_tower", "vision_model", "audio_tower", "audio_model")
-"""Attribute names of media encoders in the families' models (Qwen2-VL's ``model.visual``, the Omni
-thinker's ``visual`` and ``audio_tower``, Gemma 3's and InternVL's ``vision_tower``)."""
 
 _AUTOCAST_ATTR = "gymbridge_autocast_dtype"
 """The model attribute :func:`enable_autocast` sets (copied by ``copy.deepcopy`` with the model)."""
@@ -128,18 +126,6 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     return len(names)
 
 
-def _encoders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost submodules named one of :data:`ENCODER_NAMES`."""
-    found: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] not in ENCODER_NAMES:
-            continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
-            continue
-        found.append((name, module))
-    return found
-
-
 def freeze_encoders(model: torch.nn.Module) -> int:
     """``requires_grad=False`` on every parameter of ``model``'s vision and audio encoders; returns how
     many parameter tensors that froze (0 when called again).
@@ -149,7 +135,7 @@ def freeze_encoders(model: torch.nn.Module) -> int:
     InternVL's ``multi_modal_projector``) stay trainable. A model without an encoder raises
     ``ValueError`` naming its class.
     """
-    encoders = _encoders(model)
+    encoders = encoder_modules(model)
     if not encoders:
         raise ValueError(
             f"freeze_vision_tower: {type(model).__name__} has no vision or audio encoder (no submodule "

@@ -41,6 +41,14 @@ buffers to rank 0, which returns them (numpy, out of band through Ray); the driv
 rank's rows into its policy while the ranks gather the next bucket, so no process holds more than
 two buckets, never a second whole model.
 
+With LoRA (the driver's policy holds adapters: :func:`gymbridge.generation.lora.apply_lora`) every
+worker injects the same adapters into its fresh model before the driver's weights load (an FSDP
+worker on the meta device, before sharding, so each adapter is sharded in its layer's unit beside
+the frozen base weights); only the adapters train, the KL reference is the policy with its adapters
+off (no reference model on any rank), and after a step only the published tensors
+(:func:`gymbridge.generation.lora.published_names`) come back to the driver: its base weights never
+change after setup.
+
 The step in detail and why replicate is an explicit all-reduce rather than DDP: docs/dp.md.
 """
 
@@ -60,6 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from gymbridge.errors import PolicyDriftError, TrainingError
+from gymbridge.generation.lora import apply_lora, lora_settings, published_names
 from gymbridge.trainer.grpo import (
     GradientResult,
     GRPOConfig,
@@ -257,6 +266,7 @@ class DPWorker(_GroupRank):
         model_factory: Callable[[], Any],
         config: GRPOConfig,
         dtype: torch.dtype,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.rank = rank
@@ -265,6 +275,7 @@ class DPWorker(_GroupRank):
         from gymbridge.trainer.memory import prepare_policy
 
         model = model_factory().to(device=self.device, dtype=dtype)
+        _inject_lora(model, lora)  # the driver's adapters (their values come with load())
         # the driver's settings: frozen encoders, checkpointed blocks, bf16 autocast over fp32 masters
         prepare_policy(model, config, masters=True)
         self.trainer = GRPOTrainer(model, config)
@@ -289,6 +300,10 @@ class DPWorker(_GroupRank):
 
     def digest(self) -> str:
         return param_digest(self.trainer.model)
+
+    def trainable_names(self) -> list[str]:
+        """The names of the parameters this rank's optimizer updates, in its order."""
+        return [n for n, p in self.trainer.model.named_parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ a step
 
@@ -342,11 +357,37 @@ class DPWorker(_GroupRank):
         grad_bytes = _tensor_bytes(self._grads)
         norm = self.trainer.apply_gradients(self._grads)
         self._grads = None
-        weights = dict(_to_cpu(self.trainer.model.state_dict())) if send_weights else None
+        weights = _published_state(self.trainer.model) if send_weights else None
         from gymbridge.trainer.sharding import resident_bytes
 
         held = resident_bytes(self.trainer.model, self.trainer.optimizer)
         return norm, weights, {**held.as_dict(), "grads": grad_bytes}
+
+
+def _load_published(model: Any, weights: dict[str, torch.Tensor]) -> None:
+    """Copy rank 0's :func:`_published_state` into the driver's ``model`` (every name it publishes)."""
+    keep = published_names(model)
+    if keep is not None and set(weights) != keep:
+        raise TrainingError(
+            f"rank 0 sent {len(weights)} tensors, the driver's LoRA policy publishes {len(keep)}"
+        )
+    with torch.no_grad():
+        model.load_state_dict(weights, strict=keep is None)
+
+
+def _inject_lora(model: Any, settings: dict[str, Any] | None) -> None:
+    """The driver's LoRA structure on a worker's fresh ``model`` (``settings``: :func:`lora_settings`
+    of the driver's policy; ``None``: no adapters), before any weight is loaded, so names match."""
+    if settings is None:
+        return
+    apply_lora(model, settings)
+
+
+def _published_state(model: Any) -> dict[str, torch.Tensor]:
+    """What rank 0 sends the driver after a step, on the CPU: the whole state dict, or with LoRA only
+    :func:`~gymbridge.generation.lora.published_names` (the base never changes after setup)."""
+    keep = published_names(model)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if keep is None or k in keep}
 
 
 class _PeerFailedError(Exception):
@@ -491,6 +532,7 @@ class FSDPWorker(_GroupRank):
         config: GRPOConfig,
         dtype: torch.dtype,
         cpu_offload: bool = False,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         torch.set_num_threads(1)
         self.rank = rank
@@ -500,18 +542,24 @@ class FSDPWorker(_GroupRank):
         self.config = config
         self.dtype = dtype
         self.cpu_offload = cpu_offload
+        self.lora = lora
         self.trainer: GRPOTrainer | None = None
         self._synced = False
         self._grad_bytes = 0
 
     def setup(self) -> None:
-        """Build the policy (and the KL reference) on the meta device and shard it over the group."""
+        """Build the policy (and the KL reference) on the meta device and shard it over the group.
+
+        With LoRA the adapters are injected on the meta model (peft builds them on the base layer's
+        device), so they are sharded in their layer's unit beside its frozen base weights, and there is
+        no reference model: the KL reference is the policy with its adapters off."""
         from gymbridge.trainer.memory import prepare_policy
         from gymbridge.trainer.sharding import claim_root, shard_model
 
         # fp32 master weights; bf16 compute when the trainer trains in bf16 (FSDP's mixed precision)
         dtype = self.config.torch_dtype
         model = _build(self.model_factory, meta=True).float()
+        _inject_lora(model, self.lora)
         # frozen encoders, activation checkpointing; no autocast: the mixed precision policy casts
         prepare_policy(model, self.config, masters=False)
         model = shard_model(
@@ -520,7 +568,7 @@ class FSDPWorker(_GroupRank):
         model.to_empty(device=self.device)
         claim_root(model)
         reference = None
-        if self.config.kl_coef > 0:  # held in the trainer's dtype, as GRPOTrainer.freeze_reference
+        if self.config.kl_coef > 0 and self.lora is None:  # in the trainer's dtype, as freeze_reference
             ref = _build(self.model_factory, meta=True).to(self.config.torch_dtype)
             ref.requires_grad_(False)
             reference = shard_model(ref, mp_dtype=None, cpu_offload=self.cpu_offload)
@@ -566,6 +614,10 @@ class FSDPWorker(_GroupRank):
                 options=StateDictOptions(full_state_dict=True),
             )
         trainer.steps = int(state["steps"])
+
+    def trainable_names(self) -> list[str]:
+        """The names of the parameters this rank's optimizer updates, in its order."""
+        return [n for n, p in self._trainer().model.named_parameters() if p.requires_grad]
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The full optimizer state (keyed by parameter name) on rank 0, else ``None``; all ranks call it.
@@ -754,9 +806,10 @@ class FSDPWorker(_GroupRank):
 def fsdp_load_states(trainer: GRPOTrainer) -> tuple[dict[str, Any], dict[str, Any]]:
     """What :meth:`FSDPWorker.load` takes from ``trainer`` (the driver's): ``(rank 0's, every other rank's)``.
 
-    Rank 0's holds the full fp32 weights of the policy and of the reference (the policy's when the
-    trainer keeps none), which it broadcasts; both hold the buffers no state dict carries, the
-    optimizer state keyed by parameter name (``None`` when blank) and the step count.
+    Rank 0's holds the full fp32 weights of the policy and of the reference (empty when the trainer
+    keeps none: ``kl_coef == 0``, or LoRA, whose reference is the policy with its adapters off),
+    which it broadcasts; both hold the buffers no state dict carries, the optimizer state keyed by
+    parameter name (``None`` when blank) and the step count.
     """
 
     def full(model: Any) -> dict[str, torch.Tensor]:
@@ -776,8 +829,8 @@ def fsdp_load_states(trainer: GRPOTrainer) -> tuple[dict[str, Any], dict[str, An
         "optimizer": _fqn_optimizer_state(_to_cpu(opt), names) if opt["state"] else None,
         "steps": trainer.steps,
     }
-    reference = trainer.reference if trainer.reference is not None else model
-    return {**light, "model": full(model), "reference": full(reference)}, light
+    reference = {} if trainer.reference is None else full(trainer.reference)
+    return {**light, "model": full(model), "reference": reference}, light
 
 
 class RayDPTrainer:
@@ -824,16 +877,21 @@ class RayDPTrainer:
         self.strategy: DPStrategy = strategy
         self.cpu_offload = cpu_offload
         self.bucket_bytes = bucket_bytes
+        self.lora = lora_settings(trainer.model)
+        """The driver's adapter settings (:func:`~gymbridge.generation.lora.lora_settings`), which every
+        worker injects into its model before loading the driver's weights; ``None`` without LoRA."""
         if strategy == "fsdp":
             actor = ray.remote(FSDPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
             self.workers = [
-                actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype, cpu_offload)
+                actor.remote(
+                    rank, num_workers, model_factory, trainer.config, self.dtype, cpu_offload, self.lora
+                )
                 for rank in range(num_workers)
             ]
         else:
             actor = ray.remote(DPWorker).options(num_cpus=worker_num_cpus, num_gpus=num_gpus)
             self.workers = [
-                actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype)
+                actor.remote(rank, num_workers, model_factory, trainer.config, self.dtype, self.lora)
                 for rank in range(num_workers)
             ]
         nodes = ray.get([w.node_address.remote() for w in self.workers])
@@ -844,6 +902,13 @@ class RayDPTrainer:
         self.backend: str = joined[0]
         if strategy == "fsdp":
             ray.get([w.setup.remote() for w in self.workers])
+        trainable = ray.get(self.workers[0].trainable_names.remote())
+        expected = self._trainable_names()
+        if trainable != expected:  # the optimizer states would not line up
+            raise TrainingError(
+                f"the DP workers train {len(trainable)} parameters, the driver {len(expected)}: the "
+                "model_factory must build the driver's policy (its LoRA adapters are added here)"
+            )
         self.last_shard_tokens: list[int] = []
         """Sequence tokens of each worker's shard in the latest step."""
         self.last_media_dtypes: dict[str, str] = {}
@@ -863,7 +928,7 @@ class RayDPTrainer:
     def sync_workers(self) -> None:
         """Give every worker the driver's weights, optimizer state and step count."""
         if self.strategy == "fsdp":
-            if self.trainer.config.kl_coef > 0 and self.trainer.reference is None:
+            if self.trainer.kl_reference == "sharded":  # not LoRA's: that one is the base, in every rank
                 raise TrainingError(
                     "sync_workers: the driver no longer holds the KL reference (the fsdp workers do, "
                     "sharded); seed the workers from a checkpoint instead (load_sharded_checkpoint)"
@@ -920,10 +985,14 @@ class RayDPTrainer:
 
     def publish_buckets(self) -> list[list[str]]:
         """The parameter names of each publication bucket: consecutive, at most ``bucket_bytes`` of the
-        driver's dtype each (one larger parameter alone)."""
+        driver's dtype each (one larger parameter alone). With LoRA only the published names
+        (:func:`~gymbridge.generation.lora.published_names`: the adapters and any fully trained encoder)."""
+        keep = published_names(self.trainer.model)
         buckets: list[list[str]] = [[]]
         size = 0
         for name, p in self.trainer.model.named_parameters():
+            if keep is not None and name not in keep:
+                continue
             nbytes = p.numel() * p.element_size()
             if buckets[-1] and size + nbytes > self.bucket_bytes:
                 buckets.append([])
@@ -996,8 +1065,7 @@ class RayDPTrainer:
             self._publish_from_shards()
         else:
             assert weights is not None
-            with torch.no_grad():
-                self.trainer.model.load_state_dict(weights)
+            _load_published(self.trainer.model, weights)
         self.last_weights_s = time.perf_counter() - applied
         self.trainer.steps += 1
         return summarize(

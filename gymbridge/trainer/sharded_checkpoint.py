@@ -18,6 +18,10 @@ the slices each target needs (``safe_open(...).get_slice``), so ``n`` ranks' fil
 number of ranks; :func:`iter_full_tensors` assembles whole tensors one at a time with no process
 group. :func:`flatten_model_and_optimizer` / :func:`restore_model_and_optimizer` map a model and
 its optimizer (``torch.distributed.checkpoint.state_dict``, FQN-keyed) to and from that format.
+Of a LoRA model (:mod:`gymbridge.generation.lora`) only the published tensors (the adapters and any
+fully trained encoder) and their optimizer state are saved, and the meta's ``"lora"`` holds the
+adapter settings (:func:`sharded_checkpoint_lora`); the base weights are the base model's, never
+saved: a load restores the adapters into a model that already holds the same base and adapters.
 
 Invariants:
 
@@ -67,6 +71,7 @@ __all__ = [
     "read_meta",
     "restore_model_and_optimizer",
     "save_sharded",
+    "sharded_checkpoint_lora",
 ]
 
 SHARDED_FORMAT = "gymbridge-sharded/1"
@@ -667,6 +672,44 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
     return _Checkpoint(directory).meta
 
 
+_LORA_KEY = "lora"
+_LORA_STRUCTURE = ("r", "lora_alpha", "target_modules", "vision", "full_modules")
+"""The adapter settings a checkpoint's tensors depend on: which exist, their shapes, their scale."""
+
+
+def sharded_checkpoint_lora(directory: str | Path) -> dict[str, Any] | None:
+    """The LoRA settings a checkpoint of a LoRA model was saved with
+    (:func:`gymbridge.generation.lora.lora_settings`, which ``apply_lora`` takes back), or ``None`` for
+    a checkpoint of a whole model. Every index is checked, no data read."""
+    return _lora_meta(Path(directory) / INDEX_NAME, read_meta(directory))
+
+
+def _lora_meta(where: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    settings = meta.get(_LORA_KEY)
+    if settings is None:
+        return None
+    if not isinstance(settings, dict) or any(k not in settings for k in _LORA_STRUCTURE):
+        raise CheckpointError(where, f"malformed LoRA settings: {settings!r}")
+    return dict(settings)
+
+
+def _check_lora(where: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint whose adapters (or their absence) differ from ``model``'s."""
+    from gymbridge.generation.lora import lora_settings
+
+    own = lora_settings(model)
+    if saved is None and own is None:
+        return
+    if saved is None or own is None:
+        held = "LoRA adapters only" if saved is not None else "a whole model, no LoRA adapters"
+        wanted = "has LoRA adapters" if own is not None else "has no LoRA adapters"
+        raise CheckpointError(where, f"holds {held}, and the model to load {wanted}")
+    differ = [k for k in _LORA_STRUCTURE if saved.get(k) != own.get(k)]
+    if differ:
+        shown = ", ".join(f"{k} {saved.get(k)!r} saved, {own.get(k)!r} here" for k in differ)
+        raise CheckpointError(where, f"holds other LoRA adapters than the model's: {shown}")
+
+
 # ---------------------------------------------------------------------------- model + optimizer
 def flatten_model_and_optimizer(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -677,15 +720,22 @@ def flatten_model_and_optimizer(
     (e.g. ``exp_avg``), DTensors for an FSDP2 model, sharing storage with the live state.
     ``meta["optimizer"]`` holds the param groups (params as FQNs) and each parameter's
     scalar state (AdamW's 0-dim ``step`` tensor, recorded with its dtype). An optimizer that
-    has not stepped yet is given its zero state first (``get_state_dict`` does so).
+    has not stepped yet is given its zero state first (``get_state_dict`` does so). A LoRA
+    model gives only its published tensors (:func:`gymbridge.generation.lora.published_names`) and
+    ``meta["lora"]``, its adapter settings.
     """
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
+    from gymbridge.generation.lora import lora_settings, published_names
+
     state_dicts: Any = get_state_dict(model, optimizer)  # its declared value union admits no indexing
     model_sd: dict[str, torch.Tensor] = state_dicts[0]
     optim_sd: dict[str, Any] = state_dicts[1]
-    tensors: dict[str, torch.Tensor] = {f"model.{k}": v for k, v in model_sd.items()}
+    keep = published_names(model)
+    tensors: dict[str, torch.Tensor] = {
+        f"model.{k}": v for k, v in model_sd.items() if keep is None or k in keep
+    }
     scalars: dict[str, dict[str, Any]] = {}
     for fqn, state in optim_sd["state"].items():
         for key, value in state.items():
@@ -701,7 +751,12 @@ def flatten_model_and_optimizer(
     groups = [
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in optim_sd["param_groups"]
     ]
-    meta = {"optimizer": {"format": _OPTIM_FORMAT, "scalars": scalars, "param_groups": groups}}
+    meta: dict[str, Any] = {
+        "optimizer": {"format": _OPTIM_FORMAT, "scalars": scalars, "param_groups": groups}
+    }
+    settings = lora_settings(model)
+    if settings is not None:
+        meta[_LORA_KEY] = settings
     return tensors, meta
 
 
@@ -733,6 +788,9 @@ def restore_model_and_optimizer(
     is for the model's sharding (call it on every rank); ``rank`` and ``world_size`` are the
     caller's, as for :func:`load_sharded`. A directory may also hold tensors named with one of
     ``other_prefixes`` (e.g. ``"reference."``: a KL reference saved alongside), left unread.
+    A LoRA model loads only its published tensors (its base weights are left as they are), from
+    a checkpoint of the same adapters (``meta["lora"]``); a LoRA checkpoint into a whole model,
+    or the reverse, is refused.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -743,6 +801,7 @@ def restore_model_and_optimizer(
     else:
         where, loaded_meta, names = Path("<in-memory state>"), dict(source[1]), set(source[0])
     optim_meta = _optimizer_meta(where, loaded_meta)
+    _check_lora(where, _lora_meta(where, loaded_meta), model)
     # AdamW makes a parameter's state at its first gradient: load the state the save had, no more
     tensors = {k: v for k, v in targets.items() if k.startswith("model.") or k in names}
     if isinstance(source, str | Path):

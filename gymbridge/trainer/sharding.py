@@ -21,6 +21,10 @@ Invariants:
 
 * gradients are **summed** over ranks (divide factor 1): every rank's loss already divides by the
   whole batch's normaliser, so the sum is the full batch's gradient;
+* frozen parameters (frozen encoders, a LoRA policy's base weights) share their units with trainable
+  ones (a LoRA layer's adapters): FSDP2 gathers them for the forward and reduce-scatters only the
+  gradients that exist, so a rank holds gradients and AdamW state for its shards of the trainable
+  parameters alone;
 * every rank must run the same FSDP units the same number of times per step (the collectives are
   inside forward and backward); :class:`~gymbridge.trainer.ray_dp.FSDPWorker` keeps its ranks in
   lockstep, this module does not.

@@ -29,6 +29,12 @@ Two implementations:
     the model is on the CPU and ``/dev/shm`` has room, falling back to ``broadcast`` (with
     a log line) when the server refuses the segments; ``broadcast`` otherwise.
 
+With LoRA (:mod:`gymbridge.generation.lora`) a publication carries only what training changes: the
+adapters (and any tensor trained in full), :func:`~gymbridge.generation.weights.published_weights`;
+the generator holds the same base and the same adapter layout (an in-process generator is built
+with them; a model server is told the adapter settings in ``init_group``'s ``lora`` and injects them).
+Every publisher reports the bytes of its last publication (``last_bytes``).
+
 Invariants: versions only go up (publishing an older version is refused); a publish either
 loads the whole version or raises :class:`~gymbridge.errors.WeightSyncError` (a generation
 never runs on half-copied weights: the receiver holds the generator's weights lock while it
@@ -61,6 +67,7 @@ from gymbridge.generation.weights import (
     named_weights,
     open_weight_group,
     plan_buckets,
+    published_weights,
     single_tensor,
     weight_store,
 )
@@ -74,6 +81,7 @@ __all__ = [
     "WeightTransport",
     "copy_weights",
     "is_loopback_url",
+    "payload_bytes",
 ]
 
 WeightTransport = Literal["auto", "broadcast", "shared_memory"]
@@ -96,13 +104,15 @@ def copy_weights(source: Any, target: Any) -> int:
     """Copy ``source``'s weights into ``target``'s own tensors in place; returns how many entries.
 
     Both models must have the same layout (:func:`~gymbridge.generation.weights.check_layout`),
-    else :class:`WeightSyncError` lists every mismatch and nothing is copied. A floating tensor is
+    else :class:`WeightSyncError` lists every mismatch and nothing is copied. A LoRA ``source``
+    copies only its published tensors (adapters, fully trained tensors). A floating tensor is
     cast to the receiver's floating dtype (fp32 master weights into a bf16 generator); names,
     shapes and every other dtype must match.
     """
     from gymbridge.generation.weights import TensorSpec
 
-    named = named_weights(source)
+    named = published_weights(source)
+    partial = len(named) < len(named_weights(source))
     own = target.state_dict()
 
     def sent_as(name: str, t: torch.Tensor) -> str:
@@ -111,7 +121,7 @@ def copy_weights(source: Any, target: Any) -> int:
         return str(mine.dtype if cast and mine is not None else t.dtype).removeprefix("torch.")
 
     specs = [TensorSpec(n, tuple(t.shape), sent_as(n, t)) for n, t in named]
-    problems = check_layout(specs, target)
+    problems = check_layout(specs, target, partial=partial)
     if problems:
         raise WeightSyncError(
             "the generator's model does not match the trainer's: " + "; ".join(problems[:8])
@@ -128,6 +138,8 @@ class InProcessPublisher:
     def __init__(self, generator: WeightTarget) -> None:
         self.generator = generator
         self.syncs = 0
+        self.last_bytes = 0
+        """Bytes the last publication copied (0 when the generator shares the trainer's model)."""
 
     def publish(self, model: Any, version: int) -> float:
         started = time.perf_counter()
@@ -138,12 +150,19 @@ class InProcessPublisher:
         with self.generator.weights_lock:
             if self.generator.model is not model:
                 copy_weights(model, self.generator.model)
+                self.last_bytes = payload_bytes(model)
             self.generator.policy_version = version
         self.syncs += 1
         return time.perf_counter() - started
 
     def close(self) -> None:
         return None
+
+
+def payload_bytes(model: Any) -> int:
+    """Bytes a publication of ``model`` sends (:func:`~gymbridge.generation.weights.published_weights`,
+    in the trainer's dtypes)."""
+    return sum(t.numel() * t.element_size() for _, t in published_weights(model))
 
 
 def is_loopback_url(url: str) -> bool:
@@ -155,6 +174,14 @@ def is_loopback_url(url: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _lora_body(model: Any) -> dict[str, Any]:
+    """``init_group``'s ``lora`` entry for a LoRA model (the adapter settings the server injects)."""
+    from gymbridge.generation.lora import lora_settings
+
+    settings = lora_settings(model)
+    return {"lora": settings} if settings is not None else {}
 
 
 def _on_cpu(model: Any) -> bool:
@@ -210,6 +237,8 @@ class DistributedPublisher:
         self.version: int | None = None
         self.syncs = 0
         self.last_sync_s = 0.0
+        self.last_bytes = 0
+        """Bytes of tensors the last publication sent."""
         self.last_timings: dict[str, float] = {}
 
     # ------------------------------------------------------------------ control
@@ -267,7 +296,7 @@ class DistributedPublisher:
             raise WeightSyncError("shared-memory weight sync needs the trainer's model on the CPU")
         specs = [
             TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for n, t in named_weights(model)
+            for n, t in published_weights(model)
         ]
         writer = SharedWeightsWriter(specs)
         try:
@@ -278,6 +307,7 @@ class DistributedPublisher:
                     "segments": writer.names,
                     "nonce": writer.nonce.hex(),
                     "tensors": [s.to_json() for s in specs],
+                    **_lora_body(model),
                 },
             )
         except BaseException:
@@ -296,7 +326,7 @@ class DistributedPublisher:
         ranks = int(self.status().get("ranks", 1))
         world_size = 1 + ranks
         store = weight_store(self.host, 0, world_size=world_size, is_host=True, timeout_s=self.timeout_s)
-        specs = [s for b in plan_buckets(named_weights(model), self.bucket_bytes) for s in b.specs]
+        specs = [s for b in plan_buckets(published_weights(model), self.bucket_bytes) for s in b.specs]
         # the server joins in the background once the layout is checked (202); rank 0 joins here
         self._post(
             "/weights/init_group",
@@ -308,6 +338,7 @@ class DistributedPublisher:
                 "backend": backend,
                 "timeout_s": self.timeout_s,
                 "tensors": [s.to_json() for s in specs],
+                **_lora_body(model),
             },
         )
         self._group = self._join(store, world_size, backend)
@@ -355,13 +386,14 @@ class DistributedPublisher:
             self._publish_broadcast(model, version, started)
         self.version = version
         self.syncs += 1
+        self.last_bytes = payload_bytes(model)
         self.last_sync_s = time.perf_counter() - started
         return self.last_sync_s
 
     def _publish_shared(self, model: Any, version: int, started: float) -> None:
         writer = self._shared
         segment = self._next_segment
-        writer.write(segment, [t for _, t in named_weights(model)])
+        writer.write(segment, [t for _, t in published_weights(model)])
         written = time.perf_counter()
         try:
             self._post(
@@ -384,7 +416,7 @@ class DistributedPublisher:
     def _publish_broadcast(self, model: Any, version: int, started: float) -> None:
         group = self._group
         assert group is not None
-        named = named_weights(model)
+        named = published_weights(model)
         buckets = plan_buckets(
             named, self.bucket_bytes, alone_bytes=min(DEFAULT_ALONE_BYTES, self.bucket_bytes)
         )

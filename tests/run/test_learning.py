@@ -97,6 +97,20 @@ def test_default_smoke_learns_from_env_reward_alone(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "charts" / "env_reward.png").is_file()
 
 
+def test_lora_smoke_learns_training_only_its_adapters_and_head(tmp_path: Path) -> None:
+    """``--config smoke_lora``: rank-8 adapters on the decoder and the head in full (docs/run.md, *LoRA*)
+    learn the image's colour from the env reward; every publication carries only those tensors."""
+    cfg = load_run_config(["smoke_lora"], [], {"run_dir": str(tmp_path / "run")})
+    assert cfg.trainer.lora.rank == 8
+    result, log = quiet_train(cfg)
+    rewards = result.env_rewards
+    assert len(rewards) == cfg.steps
+    assert rewards[0] <= 0.7, log
+    assert _mean(rewards[-10:]) >= 0.8, log
+    sent = {r["weight_sync_bytes"] for r in result.records if r["published"]}
+    assert sent == {4 * (16_384 + 32_768)}, sent  # fp32 adapters and lm_head, nothing of the base
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_blanked_images_stay_at_chance(tmp_path: Path) -> None:
     cfg = load_run_config(

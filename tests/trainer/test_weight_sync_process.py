@@ -227,10 +227,10 @@ def test_publishing_leaves_the_trainers_own_default_group_alone(
 def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -> None:
     """The server's join fails (here: its store is unreachable); the trainer hears of it through
     /weights/status within about a second instead of waiting out its join timeout."""
-    import threading
     import time
 
     from gymbridge.generation.weights import WeightReceiver
+    from gymbridge.testing.model_server import served_in_thread
 
     gen = HFGenerator(tiny_policy(0), build_tiny_vlm(0).processor, max_model_len=256)
     receiver = WeightReceiver(gen)
@@ -239,30 +239,13 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
         raise WeightSyncError("could not reach the weight store at 127.0.0.1:1")
 
     receiver._join = unreachable  # type: ignore[method-assign]
-    ready = threading.Event()
-    urls: list[str] = []
-    stop: list[asyncio.Event] = []
-
-    async def serve() -> None:
-        server = ModelServer(gen, config=ModelServerConfig(batching=False), weight_sink=receiver)
-        urls.append(await server.start())
-        stop.append(asyncio.Event())
-        ready.set()
-        await stop[0].wait()
-        await server.stop()
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    # the slow path: waiting out the join
-    publisher = DistributedPublisher(urls[0], timeout_s=300, transport="broadcast")
-    started = time.monotonic()
-    try:
-        with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):
-            publisher.publish(tiny_policy(0), 0)
-    finally:
-        publisher.close()
-        loop.call_soon_threadsafe(stop[0].set)
-        thread.join(30)
+    with served_in_thread(gen, receiver, timeout_s=30) as url:
+        # the slow path: waiting out the join
+        publisher = DistributedPublisher(url, timeout_s=300, transport="broadcast")
+        started = time.monotonic()
+        try:
+            with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):
+                publisher.publish(tiny_policy(0), 0)
+        finally:
+            publisher.close()
     assert time.monotonic() - started < 30  # wallclock-ok: reported, not the 300 s join timeout waited out

@@ -5,7 +5,6 @@ and ``transport: auto`` choosing and falling back. The cross-process path runs i
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from collections.abc import Iterator
@@ -16,7 +15,6 @@ import torch
 
 from gymbridge.errors import WeightSyncError
 from gymbridge.generation.hf import HFGenerator
-from gymbridge.generation.server import ModelServer, ModelServerConfig
 from gymbridge.generation.shared_weights import (
     SHM_DIR,
     SharedWeightsReader,
@@ -25,6 +23,7 @@ from gymbridge.generation.shared_weights import (
 )
 from gymbridge.generation.weights import TensorSpec, WeightReceiver, named_weights
 from gymbridge.models.tiny_vlm import build_tiny_vlm
+from gymbridge.testing.model_server import served_in_thread
 from gymbridge.trainer.models import tiny_policy
 from gymbridge.trainer.weight_sync import DistributedPublisher, is_loopback_url
 
@@ -226,27 +225,8 @@ def served() -> Iterator[tuple[str, WeightReceiver, HFGenerator]]:
     """A model server with weight updates on, in a thread of its own (the publisher is sync)."""
     gen = HFGenerator(tiny_policy(0), build_tiny_vlm(0).processor, max_model_len=256)
     receiver = WeightReceiver(gen)
-    ready = threading.Event()
-    urls: list[str] = []
-    stop: list[asyncio.Event] = []
-
-    async def serve() -> None:
-        server = ModelServer(gen, config=ModelServerConfig(batching=False), weight_sink=receiver)
-        urls.append(await server.start())
-        stop.append(asyncio.Event())
-        ready.set()
-        await stop[0].wait()
-        await server.stop()
-
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
-    thread.start()
-    assert ready.wait(30)
-    try:
-        yield urls[0], receiver, gen
-    finally:
-        loop.call_soon_threadsafe(stop[0].set)
-        thread.join(30)
+    with served_in_thread(gen, receiver, timeout_s=30) as url:
+        yield url, receiver, gen
 
 
 def test_auto_takes_shared_memory_on_this_host_and_leaves_no_file(
