@@ -208,20 +208,29 @@ def apply_lora(
     if vision not in ("frozen", "full"):
         raise ValueError(f"LoRA vision must be 'frozen' or 'full', got {vision!r}")
     pattern = re.compile(str(settings["target_modules"]))
-    matched = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and pattern.fullmatch(n)]
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    matched = [n for n in linear if pattern.fullmatch(n)]
     if not matched:
-        outside = sorted(
-            {
-                n.rsplit(".", 1)[-1]
-                for n, m in model.named_modules()
-                if isinstance(m, torch.nn.Linear)
-                and not re.match(rf"(?:.*\.)?(?:{'|'.join(ENCODER_NAMES)})\.", n)
-            }
-        )
+        outside = sorted({n.rsplit(".", 1)[-1] for n in linear if not _under_encoder(n)})
         raise ValueError(
             f"trainer.lora.target_modules matches no linear layer of {type(model).__name__}'s language "
             f"model; its linear layers outside the encoders are named {outside}"
         )
+    # everything refusable is refused before peft touches the model
+    encoders = encoder_modules(model) if vision == "full" else []
+    if vision == "full" and not encoders:
+        raise ValueError(f"trainer.lora.vision=full: {type(model).__name__} has no vision or audio encoder")
+    in_full = [str(m) for m in settings.get("full_modules") or ()]
+    trained_in_full = [
+        module
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in in_full and not _under_encoder(name)
+    ]
+    missing = sorted(
+        set(in_full) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules() if not _under_encoder(n)}
+    )
+    if missing:
+        raise ValueError(f"trainer.lora.full_modules: {type(model).__name__} has no module named {missing}")
     from peft import inject_adapter_in_model
 
     with torch.random.fork_rng(devices=[]):  # the adapters' random A from init_seed, whatever ran before
@@ -229,31 +238,9 @@ def apply_lora(
         inject_adapter_in_model(_peft_config(settings), model, adapter_name=_ADAPTER_NAME)
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_name(name))
-    if vision == "full":
-        encoders = encoder_modules(model)
-        if not encoders:
-            raise ValueError(
-                f"trainer.lora.vision=full: {type(model).__name__} has no vision or audio encoder"
-            )
-        for _, encoder in encoders:
-            for p in encoder.parameters():
-                p.requires_grad_(True)
-    in_full = [str(m) for m in settings.get("full_modules") or ()]
-    if in_full:
-        under_encoder_name = re.compile(rf"(?:.*\.)?(?:{'|'.join(ENCODER_NAMES)})\.")
-        found = [
-            module
-            for name, module in model.named_modules()
-            if name.rsplit(".", 1)[-1] in in_full and not under_encoder_name.match(name)
-        ]
-        missing = sorted(set(in_full) - {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()})
-        if missing or not found:
-            raise ValueError(
-                f"trainer.lora.full_modules: {type(model).__name__} has no module named {missing}"
-            )
-        for module in found:
-            for p in module.parameters():
-                p.requires_grad_(True)
+    for module in [*(encoder for _, encoder in encoders), *trained_in_full]:
+        for p in module.parameters():
+            p.requires_grad_(True)
     setattr(model, _SETTINGS_ATTR, {**dict(settings), "vision": vision, "full_modules": in_full})
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     setattr(model, PUBLISHED_NAMES_ATTR, frozenset(names))
@@ -264,6 +251,11 @@ def apply_lora(
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=sum(p.numel() for p in model.parameters()),
     )
+
+
+def _under_encoder(name: str) -> bool:
+    """Whether the module ``name`` lies inside a media encoder (:data:`ENCODER_NAMES`)."""
+    return any(part in ENCODER_NAMES for part in name.split(".")[:-1])
 
 
 def has_lora(model: Any) -> bool:

@@ -141,8 +141,10 @@ def test_full_modules_train_in_full_beside_the_adapters_and_publish_and_checkpoi
     assert same_weights(resumed.model, model)
     with pytest.raises(ValidationError, match="name each in one"):
         LoRAConfig(rank=4, target_modules=("q_proj", "lm_head"), full_modules=("lm_head",))
+    untouched = tiny_policy(0)
     with pytest.raises(ValueError, match="has no module named"):
-        apply_lora(tiny_policy(0), LoRAConfig(rank=4, full_modules=("no_such_head",)))
+        apply_lora(untouched, LoRAConfig(rank=4, full_modules=("no_such_head",)))
+    assert not any(is_adapter_name(n) for n in untouched.state_dict())  # refused before peft injects
 
 
 def test_a_step_moves_only_the_adapters_and_the_kl_reference_is_the_base(
