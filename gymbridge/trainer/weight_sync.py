@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 import torch
 
 from gymbridge.errors import WeightSyncError
+from gymbridge.generation.lora import published_names
 from gymbridge.generation.weights import (
     DEFAULT_ALONE_BYTES,
     DEFAULT_BUCKET_BYTES,
@@ -101,7 +102,8 @@ class WeightPublisher(Protocol):
 
 
 def copy_weights(source: Any, target: Any) -> int:
-    """Copy ``source``'s weights into ``target``'s own tensors in place; returns how many entries.
+    """Copy ``source``'s weights into ``target``'s own tensors in place; returns the bytes copied
+    (in ``source``'s dtypes, as :func:`payload_bytes` counts them).
 
     Both models must have the same layout (:func:`~gymbridge.generation.weights.check_layout`),
     else :class:`WeightSyncError` lists every mismatch and nothing is copied. A LoRA ``source``
@@ -112,7 +114,7 @@ def copy_weights(source: Any, target: Any) -> int:
     from gymbridge.generation.weights import TensorSpec
 
     named = published_weights(source)
-    partial = len(named) < len(named_weights(source))
+    partial = published_names(source) is not None  # LoRA: the base is never sent
     own = target.state_dict()
 
     def sent_as(name: str, t: torch.Tensor) -> str:
@@ -129,7 +131,7 @@ def copy_weights(source: Any, target: Any) -> int:
     with torch.no_grad():
         for name, tensor in named:
             own[name].copy_(tensor)
-    return len(named)
+    return _nbytes(named)
 
 
 class InProcessPublisher:
@@ -149,8 +151,7 @@ class InProcessPublisher:
             )
         with self.generator.weights_lock:
             if self.generator.model is not model:
-                copy_weights(model, self.generator.model)
-                self.last_bytes = payload_bytes(model)
+                self.last_bytes = copy_weights(model, self.generator.model)
             self.generator.policy_version = version
         self.syncs += 1
         return time.perf_counter() - started
@@ -162,7 +163,11 @@ class InProcessPublisher:
 def payload_bytes(model: Any) -> int:
     """Bytes a publication of ``model`` sends (:func:`~gymbridge.generation.weights.published_weights`,
     in the trainer's dtypes)."""
-    return sum(t.numel() * t.element_size() for _, t in published_weights(model))
+    return _nbytes(published_weights(model))
+
+
+def _nbytes(named: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in named)
 
 
 def is_loopback_url(url: str) -> bool:
@@ -380,20 +385,21 @@ class DistributedPublisher:
         if self.version is not None and version < self.version:
             raise WeightSyncError(f"policy version {version} is older than the published {self.version}")
         self.connect(model)
+        named = published_weights(model)
         if self._shared is not None:
-            self._publish_shared(model, version, started)
+            self._publish_shared(named, version, started)
         else:
-            self._publish_broadcast(model, version, started)
+            self._publish_broadcast(named, version, started)
         self.version = version
         self.syncs += 1
-        self.last_bytes = payload_bytes(model)
+        self.last_bytes = _nbytes(named)
         self.last_sync_s = time.perf_counter() - started
         return self.last_sync_s
 
-    def _publish_shared(self, model: Any, version: int, started: float) -> None:
+    def _publish_shared(self, named: list[tuple[str, torch.Tensor]], version: int, started: float) -> None:
         writer = self._shared
         segment = self._next_segment
-        writer.write(segment, [t for _, t in published_weights(model)])
+        writer.write(segment, [t for _, t in named])
         written = time.perf_counter()
         try:
             self._post(
@@ -413,10 +419,9 @@ class DistributedPublisher:
             self._shared = None
             self.transport = None
 
-    def _publish_broadcast(self, model: Any, version: int, started: float) -> None:
+    def _publish_broadcast(self, named: list[tuple[str, torch.Tensor]], version: int, started: float) -> None:
         group = self._group
         assert group is not None
-        named = published_weights(model)
         buckets = plan_buckets(
             named, self.bucket_bytes, alone_bytes=min(DEFAULT_ALONE_BYTES, self.bucket_bytes)
         )
