@@ -50,6 +50,7 @@ from gymbridge.generation.weights import ADAPTER_PATTERN, PUBLISHED_NAMES_ATTR, 
 
 __all__ = [
     "ADAPTER_CONFIG",
+    "ADAPTER_STRUCTURE",
     "ADAPTER_WEIGHTS",
     "DEFAULT_TARGETS",
     "LoRAConfig",
@@ -64,6 +65,7 @@ __all__ = [
     "lora_settings",
     "peft_config_dict",
     "published_names",
+    "settings_differ",
     "target_regex",
     "write_adapter_dir",
 ]
@@ -251,6 +253,16 @@ def apply_lora(
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
         total_params=sum(p.numel() for p in model.parameters()),
     )
+
+
+ADAPTER_STRUCTURE: tuple[str, ...] = ("r", "lora_alpha", "target_modules", "bias", "vision", "full_modules")
+"""The settings (:func:`lora_settings`) a model's trained tensors depend on: which exist, their shapes,
+their scale. Dropout is not among them: a resumed run may change it."""
+
+
+def settings_differ(saved: Mapping[str, Any], held: Mapping[str, Any]) -> list[str]:
+    """The :data:`ADAPTER_STRUCTURE` keys on which two adapter settings differ (``[]``: the same adapters)."""
+    return [k for k in ADAPTER_STRUCTURE if saved.get(k) != held.get(k)]
 
 
 def _under_encoder(name: str) -> bool:

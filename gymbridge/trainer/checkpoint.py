@@ -47,7 +47,7 @@ import orjson
 import torch
 
 from gymbridge.errors import CheckpointError
-from gymbridge.generation.lora import lora_settings, published_names
+from gymbridge.generation.lora import lora_settings, published_names, settings_differ
 from gymbridge.safe_io import load_state, save_state, write_atomic
 
 if TYPE_CHECKING:
@@ -207,16 +207,10 @@ def _saved_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state if keep is None else {k: v for k, v in state.items() if k in keep}
 
 
-def _without_dropout(settings: Any) -> Any:
-    return (
-        {k: v for k, v in settings.items() if k != "lora_dropout"} if isinstance(settings, dict) else settings
-    )
-
-
 def _check_lora(path: Path, saved: Any, model: torch.nn.Module) -> None:
     """A checkpoint's ``lora`` settings (``None``: full weights) must be the model's."""
     held = lora_settings(model)
-    if _without_dropout(saved) == _without_dropout(held):  # dropout may change on a resume
+    if saved is None and held is None:
         return
     if held is None:
         raise CheckpointError(
@@ -224,6 +218,10 @@ def _check_lora(path: Path, saved: Any, model: torch.nn.Module) -> None:
         )
     if saved is None:
         raise CheckpointError(path, f"holds full weights; this run trains LoRA adapters ({held})")
+    if not isinstance(saved, dict):
+        raise CheckpointError(path, f"malformed LoRA settings: {saved!r}")
+    if not settings_differ(saved, held):  # dropout may change on a resume
+        return
     raise CheckpointError(path, f"holds LoRA adapters {saved}, this run's are {held}")
 
 

@@ -673,8 +673,6 @@ def read_meta(directory: str | Path) -> dict[str, Any]:
 
 
 _LORA_KEY = "lora"
-_LORA_STRUCTURE = ("r", "lora_alpha", "target_modules", "vision", "full_modules")
-"""The adapter settings a checkpoint's tensors depend on: which exist, their shapes, their scale."""
 
 
 def sharded_checkpoint_lora(directory: str | Path) -> dict[str, Any] | None:
@@ -688,14 +686,16 @@ def _lora_meta(where: Path, meta: Mapping[str, Any]) -> dict[str, Any] | None:
     settings = meta.get(_LORA_KEY)
     if settings is None:
         return None
-    if not isinstance(settings, dict) or any(k not in settings for k in _LORA_STRUCTURE):
+    from gymbridge.generation.lora import ADAPTER_STRUCTURE
+
+    if not isinstance(settings, dict) or any(k not in settings for k in ADAPTER_STRUCTURE):
         raise CheckpointError(where, f"malformed LoRA settings: {settings!r}")
     return dict(settings)
 
 
 def _check_lora(where: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
     """Refuse a checkpoint whose adapters (or their absence) differ from ``model``'s."""
-    from gymbridge.generation.lora import lora_settings
+    from gymbridge.generation.lora import lora_settings, settings_differ
 
     own = lora_settings(model)
     if saved is None and own is None:
@@ -704,7 +704,7 @@ def _check_lora(where: Path, saved: dict[str, Any] | None, model: torch.nn.Modul
         held = "LoRA adapters only" if saved is not None else "a whole model, no LoRA adapters"
         wanted = "has LoRA adapters" if own is not None else "has no LoRA adapters"
         raise CheckpointError(where, f"holds {held}, and the model to load {wanted}")
-    differ = [k for k in _LORA_STRUCTURE if saved.get(k) != own.get(k)]
+    differ = settings_differ(saved, own)
     if differ:
         shown = ", ".join(f"{k} {saved.get(k)!r} saved, {own.get(k)!r} here" for k in differ)
         raise CheckpointError(where, f"holds other LoRA adapters than the model's: {shown}")
