@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -74,19 +73,6 @@ def state_bytes(model: Any) -> dict[str, int]:
     return {"params": params, "grads": grads, "adam": adam}
 
 
-class _Generator:
-    """A ``WeightTarget`` around a model (what ``HFGenerator`` is to the publishers)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.policy_version = 0
-        self._lock = threading.Lock()
-
-    @property
-    def weights_lock(self) -> threading.Lock:
-        return self._lock
-
-
 @contextmanager
 def served() -> Iterator[str]:
     """A model server on a thread of this process, serving a fresh copy of the model (no adapters:
@@ -102,6 +88,8 @@ def served() -> Iterator[str]:
 
 
 def main() -> None:
+    from gymbridge.generation.hf import HFGenerator
+    from gymbridge.models.tiny_vlm import build_tiny_vlm
     from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher, payload_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -121,9 +109,10 @@ def main() -> None:
     times: dict[tuple[str, str], list[float]] = {}
     with served() as full_url, served() as lora_url:
         publishers: dict[tuple[str, str], Callable[[Any, int], float]] = {}
+        processor = build_tiny_vlm(0).processor
         for kind in trainers:
-            target = build(args.rank if kind == "lora" else 0)
-            publishers[("in-process", kind)] = InProcessPublisher(_Generator(target)).publish
+            target = HFGenerator(build(args.rank if kind == "lora" else 0), processor, max_model_len=256)
+            publishers[("in-process", kind)] = InProcessPublisher(target).publish
         closers = []
         version = 0
         for transport in ("shared_memory", "broadcast"):

@@ -113,7 +113,7 @@ class GRPORun:
         """A sharded checkpoint this run resumed from, whose slices the FSDP workers load."""
         self._checkpointed = 0
         self._trainer_keys: dict[str, Any] = {}
-        """The trainer's fixed facts every ``metrics.jsonl`` record carries (``kl_reference``, LoRA)."""
+        """The trainer's fixed facts every ``metrics.jsonl`` record carries (``lora_rank``, ...)."""
         # set by setup()
         self.run_dir: RunDir
         self.model: RunModel
@@ -332,7 +332,6 @@ class GRPORun:
         # the drift guard (ratio 1 before the update) holds only on-policy; running ahead it is reported
         self.trainer = GRPOTrainer(policy, cfg.trainer, on_policy=cfg.bridge.max_staleness == 0)
         self._trainer_keys = {
-            "kl_reference": self.trainer.kl_reference,
             "lora_rank": cfg.trainer.lora.rank,
             "trainable_params": memory.trainable_params,
         }
@@ -563,7 +562,8 @@ class GRPORun:
                 checkpoint_s=self._tail["checkpoint"],
             ),
             dp=self._dp_keys(),
-            trainer={**self._trainer_keys, "kl_reference": self.trainer.kl_reference},  # fsdp: "sharded"
+            # kl_reference read now: fsdp workers take the reference after setup ("sharded")
+            trainer={**self._trainer_keys, "kl_reference": self.trainer.kl_reference},
             counters_unavailable=self.counters.unavailable,
         )
         record = report.record()
