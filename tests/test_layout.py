@@ -34,7 +34,7 @@ PACKAGE = Path(gymbridge.__file__).resolve().parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors",),
-    ("config", "faults", "hf_config", "limits", "safe_io", "serving"),
+    ("config", "faults", "hf_config", "limits", "rowset", "safe_io", "serving"),
     ("cli_common",),
     ("protocol",),
     ("media",),

@@ -46,6 +46,7 @@ import orjson
 from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.errors import BridgeStalledError, TrajectoryError
+from gymbridge.rowset import RowSet
 from gymbridge.tensors.batch import BATCH_ADVANTAGE_MODES
 
 if TYPE_CHECKING:
@@ -262,11 +263,15 @@ class BridgeIterator:
         self.reward_fn = reward_fn
         self.policy_version = 0
         """The trainer's policy version (:meth:`next_batch` sets it; staleness is measured from it)."""
-        self.done_task_indices: set[int] = set()
-        """Rows whose group was consumed: trained, failed or dropped (a resume skips them)."""
-        self._skip = frozenset(skip_task_indices)
+        self.done_task_indices = RowSet()
+        """Rows whose group was consumed: trained, failed or dropped (a resume skips them); held as
+        ranges, so it does not grow with the rows done."""
+        skip = skip_task_indices
+        self._skip = skip.copy() if isinstance(skip, RowSet) else RowSet(skip)
         self.stats = BridgeStats()
         self.failures: list[dict[str, Any]] = []
+        """The failure records. With ``failures_path`` only the newest ones (at most twice
+        :attr:`failures_held`): every record is in that file and counted in :attr:`stats`."""
         self._rows = enumerate(read_rows(rows))
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
@@ -276,9 +281,14 @@ class BridgeIterator:
         self._closed = False
 
     # ------------------------------------------------------------------ failures
+    failures_held = 1024
+    """With ``failures_path``, :attr:`failures` keeps between this many and twice this many records."""
+
     def _record(self, record: dict[str, Any]) -> None:
         self.failures.append(record)
         if self.failures_path is not None:
+            if len(self.failures) > 2 * self.failures_held:  # streamed to the file: keep the newest
+                del self.failures[: -self.failures_held]
             if self._failures_file is None:
                 self.failures_path.parent.mkdir(parents=True, exist_ok=True)
                 self._failures_file = self.failures_path.open("ab")

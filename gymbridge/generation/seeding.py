@@ -12,7 +12,10 @@ the whole call at once with per-row seeds; any other gets one row per call (it s
 batch), which trades batching for reproducibility.
 
 Invariants: seeds are non-negative 63-bit integers; a call that carries its own ``seed`` passes
-through unchanged.
+through unchanged; the per-prompt counts are bounded (:attr:`PromptSeededGenerator.prompts_held`
+prompts, least recently seen forgotten first), so a long run over a large dataset holds a fixed
+amount: a prompt met again after that many others starts its count afresh (its seeds repeat,
+drawn from the weights of that later step).
 """
 
 from __future__ import annotations
@@ -57,10 +60,15 @@ class PromptSeededGenerator:
 
     policy_version = wrapped_policy_version("generator")
 
+    prompts_held = 16_384
+    """Prompts whose count is kept (least recently seen forgotten first; module docstring)."""
+
     def _seed_for(self, prompt: Sequence[int]) -> int:
         digest = hashlib.sha256(b",".join(str(t).encode() for t in prompt)).digest()
-        k = self._seen.get(digest, 0)
-        self._seen[digest] = k + 1
+        k = self._seen.pop(digest, 0)
+        self._seen[digest] = k + 1  # re-inserted: the dict's order is least recently seen first
+        if len(self._seen) > self.prompts_held:
+            del self._seen[next(iter(self._seen))]
         return rollout_seed(self.seed, int.from_bytes(digest[:8], "big"), k)
 
     async def generate(self, inputs: Sequence[GenerationInput], sampling: SamplingConfig) -> list[Generation]:

@@ -8,9 +8,12 @@ A checkpoint of step ``s`` (``DIR/checkpoints/``) is
   reference policy (``reference.<name>``: the run's initial weights, which a resumed run
   must score its KL against, not its checkpoint's); the JSON part holds the step count, the
   policy version, the optimizer's scalar state and param groups, the Python and NumPy RNG
-  states and the iterator's position: the dataset rows whose group was consumed
-  (``done_task_indices``: trained, failed or dropped). Groups in flight at the checkpoint
-  are not in it, so a resumed run starts them again and trains each row once;
+  states and the iterator's position: the dataset rows whose group was consumed (trained,
+  failed or dropped) as ranges, ``done_rows: [[start, stop], ...]`` (half-open; a
+  :class:`~gymbridge.rowset.RowSet`, a few ranges however many rows are done; a checkpoint
+  written before them lists every row in ``done_task_indices`` and still loads). Groups in
+  flight at the checkpoint are not in it, so a resumed run starts them again and trains each
+  row once;
 * or, written by FSDP workers (:func:`save_sharded_checkpoint`), ``step-<s>/``: a folder holding
   a :mod:`gymbridge.trainer.sharded_checkpoint` checkpoint (every rank's slices of the policy,
   its AdamW state ``optim.<fqn>.<key>`` and the reference ``reference.<fqn>``; the optimizer's
@@ -48,6 +51,7 @@ import torch
 
 from gymbridge.errors import CheckpointError
 from gymbridge.generation.lora import lora_settings, published_names, settings_differ
+from gymbridge.rowset import RowSet
 from gymbridge.safe_io import load_state, save_state, write_atomic
 
 if TYPE_CHECKING:
@@ -72,7 +76,8 @@ class RunState:
     step: int
     """Steps done (the next step is ``step + 1``)."""
     policy_version: int
-    done_task_indices: frozenset[int]
+    done_task_indices: RowSet
+    """The rows done (a set of row indices held as ranges)."""
     path: Path
     """The ``.ckpt`` file or the sharded checkpoint's folder it came from."""
     sharded: bool = False
@@ -235,10 +240,14 @@ def _run_meta(
         "step": step,
         "policy_version": policy_version,
         "trainer_steps": trainer.steps,
-        "done_task_indices": sorted(set(done_task_indices)),
+        "done_rows": _as_rowset(done_task_indices).ranges(),
         "rng": rng_meta,
     }
     return rng_tensors, meta
+
+
+def _as_rowset(rows: Iterable[int]) -> RowSet:
+    return rows if isinstance(rows, RowSet) else RowSet(rows)
 
 
 def _point_and_prune(root: Path, step: int, state: Path, kind: str, keep: int) -> None:
@@ -348,14 +357,17 @@ def load_checkpoint(
 
 def _check_run_meta(
     path: Path, meta: dict[str, Any], expected_step: int
-) -> tuple[int, int, int, frozenset[int], dict[str, Any]]:
+) -> tuple[int, int, int, RowSet, dict[str, Any]]:
     """``(step, policy version, trainer steps, rows done, RNG meta)`` of a checkpoint's JSON."""
     if meta.get("format") != FORMAT:
         raise CheckpointError(path, f"format {meta.get('format')!r}, expected {FORMAT!r}")
     try:
         step, version = int(meta["step"]), int(meta["policy_version"])
         trainer_steps = int(meta["trainer_steps"])
-        done = frozenset(int(i) for i in meta["done_task_indices"])
+        if "done_rows" in meta:
+            done = RowSet.from_ranges(meta["done_rows"])
+        else:  # written before the ranges: every row listed
+            done = RowSet(int(i) for i in meta["done_task_indices"])
         rng_meta = meta["rng"]
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(path, f"malformed run state: {type(exc).__name__}: {exc}") from exc

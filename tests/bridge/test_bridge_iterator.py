@@ -332,3 +332,28 @@ async def test_each_batch_says_where_the_bridges_time_went(tiny: TinyVLM, proces
             "groups",
             "rollouts",
         }
+
+
+async def test_failure_records_stream_to_the_file_and_memory_keeps_only_the_newest(
+    tiny: TinyVLM, processor: MediaProcessor, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``failures_path``, every record reaches the file and the stats; the iterator holds at
+    most twice ``failures_held`` of them however long the run (here: 2 held, 24 recorded)."""
+    monkeypatch.setattr(BridgeIterator, "failures_held", 2)
+
+    def behaviour(task: int, rollout: int) -> float | int | str:
+        return 400 if rollout == 3 else _alternating(task, rollout)  # one data failure a group
+
+    failures = tmp_path / "failures.jsonl"
+    async with _client(FakeAgent(tiny, behaviour)) as client:
+        it = BridgeIterator(
+            make_rows(24),
+            GymRollouts(client),
+            processor,
+            BridgeConfig(group_size=G, prompts_per_step=2, min_group_size=3),
+            failures_path=failures,
+        )
+        assert len([b async for b in it]) == 12
+    lines = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert len(lines) == it.stats.rollouts_failed == 24
+    assert 2 <= len(it.failures) <= 4 and it.failures == lines[-len(it.failures) :]

@@ -111,3 +111,44 @@ def test_weights_of_another_model_are_refused(tmp_path: Path) -> None:
     other = GRPOTrainer(torch.nn.Linear(4, 2), GRPOConfig())
     with pytest.raises(CheckpointError, match="weights do not fit"):
         load_checkpoint(tmp_path, trainer=other)
+
+
+def test_done_rows_are_stored_as_ranges_not_one_entry_per_row(tmp_path: Path) -> None:
+    """A run of 200,000 rows done in order checkpoints one range: the JSON does not grow with the run."""
+    from gymbridge.safe_io import load_state
+
+    ckpt = save_checkpoint(
+        tmp_path, step=1, policy_version=1, trainer=trained(), done_task_indices=range(200_000)
+    )
+    _, meta = load_state(ckpt)
+    assert meta["done_rows"] == [[0, 200_000]] and "done_task_indices" not in meta
+    state = load_checkpoint(tmp_path, trainer=GRPOTrainer(Net(), GRPOConfig(lr=1e-2)))
+    assert state is not None and len(state.done_task_indices) == 200_000
+    assert 199_999 in state.done_task_indices and 200_000 not in state.done_task_indices
+
+
+@pytest.mark.parametrize(
+    ("rows", "expect"),
+    [({"done_task_indices": [5, 0, 1, 2]}, {0, 1, 2, 5}), ({"done_rows": [[0, 3], [5, 6]]}, {0, 1, 2, 5})],
+)
+def test_a_checkpoint_listing_every_row_still_loads(tmp_path: Path, rows: dict, expect: set[int]) -> None:
+    """Checkpoints written before the ranges list each done row (``done_task_indices``)."""
+    from gymbridge.safe_io import load_state, save_state
+
+    ckpt = save_checkpoint(tmp_path, step=1, policy_version=1, trainer=trained(), done_task_indices=[])
+    tensors, meta = load_state(ckpt)
+    meta.pop("done_rows")
+    save_state(ckpt, tensors, {**meta, **rows})
+    state = load_checkpoint(tmp_path, trainer=GRPOTrainer(Net(), GRPOConfig(lr=1e-2)))
+    assert state is not None and state.done_task_indices == expect
+
+
+@pytest.mark.parametrize("bad", [[[3, 1]], [[0, "9"]], "all", [[-2, 1]]])
+def test_malformed_done_rows_are_a_checkpoint_error(tmp_path: Path, bad: object) -> None:
+    from gymbridge.safe_io import load_state, save_state
+
+    ckpt = save_checkpoint(tmp_path, step=1, policy_version=1, trainer=trained(), done_task_indices=[0])
+    tensors, meta = load_state(ckpt)
+    save_state(ckpt, tensors, {**meta, "done_rows": bad})
+    with pytest.raises(CheckpointError, match="malformed run state"):
+        load_checkpoint(tmp_path, trainer=GRPOTrainer(Net(), GRPOConfig(lr=1e-2)))
