@@ -14,9 +14,11 @@ run's keys below; the ``timing/<phase>`` keys hold the step's phases in seconds
 
 from __future__ import annotations
 
+from array import array
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from gymbridge.bridge import BridgeBatch, GroupResult
@@ -163,21 +165,42 @@ def _zero_variance(group: GroupResult) -> bool:
 
 @dataclass
 class RunSummary:
-    """What a run did, at its end (what the console's last lines print; kept for tests and scripts)."""
+    """What a run did, at its end (what the console's last lines print; kept for tests and scripts).
+
+    Bounded: a run of 10,000 steps holds what one of 300 holds, plus one float a step. The per-step
+    objects (``steps``, ``records``, ``media_keys``) keep the newest :attr:`window` steps (every
+    step's record is in ``metrics.jsonl``); the end summary's totals and medians are counted as the
+    steps go (``steps_done``, ``steps_skipped``, :attr:`step_seconds`).
+    """
+
+    window: ClassVar[int] = 256
+    """Steps whose :class:`~gymbridge.trainer.StepMetrics`, record and media keys are kept."""
 
     run_dir: str = ""
-    steps: list[StepMetrics] = field(default_factory=list)
-    """This process's steps (a resumed run: the steps it ran)."""
+    steps: deque[StepMetrics] = field(default_factory=lambda: deque(maxlen=RunSummary.window))
+    """This process's newest steps (a resumed run: of the steps it ran)."""
     env_rewards: list[float] = field(default_factory=list)
-    """Mean environment reward of each step's trained rollouts."""
+    """Mean environment reward of each step's trained rollouts (every step of this process)."""
     shaping_rewards: list[float] = field(default_factory=list)
     """Mean shaping bonus of each step's trained rollouts (0.0 without shaping)."""
-    media_keys: list[dict[str, list[str]]] = field(default_factory=list)
-    """Each step's trained media tensors by modality (``TrainBatch.media_keys()``)."""
-    records: list[dict[str, Any]] = field(default_factory=list)
-    """This process's ``metrics.jsonl`` records."""
+    media_keys: deque[dict[str, list[str]]] = field(default_factory=lambda: deque(maxlen=RunSummary.window))
+    """The newest steps' trained media tensors by modality (``TrainBatch.media_keys()``)."""
+    records: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RunSummary.window))
+    """This process's newest ``metrics.jsonl`` records."""
+    steps_done: int = 0
+    """Steps this process ran."""
+    steps_skipped: int = 0
+    """Of those, steps that did not step the optimizer (``skipped``)."""
+    step_seconds: dict[str, array[float]] = field(default_factory=dict)
+    """``step_s`` and each ``timing/<phase>`` of every timed step (one float a step each)."""
     rollouts_ok: int = 0
     rollouts_failed: int = 0
+    rollouts_truncated: int = 0
+    """Summed over the steps' records (``rollouts_truncated``)."""
+    rollouts_ok_recorded: int = 0
+    """Summed over the steps' records (``rollouts_ok``: the trained rollouts)."""
+    counters_missing: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """A counter source that went missing -> (the first step without it, why)."""
     bridge_stats: dict[str, Any] = field(default_factory=dict)
     payload_table: str = ""
     model_media_cache: dict[str, Any] = field(default_factory=dict)
@@ -200,24 +223,28 @@ class RunSummary:
         self.shaping_rewards.append(report.shaping_reward_mean)
         self.media_keys.append(report.batch.batch.media_keys())
         self.records.append(record)
+        self.steps_done += 1
+        self.steps_skipped += record.get("skipped") is not None
+        self.rollouts_truncated += int(record.get("rollouts_truncated", 0))
+        self.rollouts_ok_recorded += int(record.get("rollouts_ok", 0))
+        for name, why in (record.get("counters_unavailable") or {}).items():
+            self.counters_missing.setdefault(name, (int(record.get("step", 0)), str(why)))
+        if "timing/other" in record:
+            for key, value in record.items():
+                if key == "step_s" or key.startswith("timing/"):
+                    self.step_seconds.setdefault(key, array("d")).append(float(value))
 
     def warnings(self) -> list[str]:
         """What a user must see at the end: most rollouts truncated, counters that went missing."""
         out: list[str] = []
-        truncated = sum(int(r.get("rollouts_truncated", 0)) for r in self.records)
-        ok = sum(int(r.get("rollouts_ok", 0)) for r in self.records)
+        truncated, ok = self.rollouts_truncated, self.rollouts_ok_recorded
         if ok and 2 * truncated > ok:
-            skipped = sum(1 for r in self.records if r.get("skipped") is not None)
             out.append(
-                f"warning: {truncated} of {ok} rollouts ended truncated ({skipped} of {len(self.records)} "
-                "step(s) skipped): they stopped at a limit (rollout.max_tokens, the episode's step cap) "
-                "before the environment could reward them"
+                f"warning: {truncated} of {ok} rollouts ended truncated ({self.steps_skipped} of "
+                f"{self.steps_done} step(s) skipped): they stopped at a limit (rollout.max_tokens, the "
+                "episode's step cap) before the environment could reward them"
             )
-        missing: dict[str, tuple[int, str]] = {}
-        for r in self.records:
-            for name, why in (r.get("counters_unavailable") or {}).items():
-                missing.setdefault(name, (int(r.get("step", 0)), str(why)))
-        for name, (step, why) in missing.items():
+        for name, (step, why) in self.counters_missing.items():
             out.append(
                 f"warning: no timing counters from the {name} since step {step} ({why}): "
                 "its phases are counted in timing/wait_rollouts"

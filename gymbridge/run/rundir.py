@@ -3,7 +3,8 @@
 Layout (``gymbridge train --run-dir DIR``; default ``runs/<env>-<UTC timestamp>/``)::
 
     DIR/config.yaml       the resolved config (every default filled in); --resume reads it back
-    DIR/dataset.jsonl     the rows the run trains on
+    DIR/dataset.ref.json  data.path by reference (path, size, sha256, rows): the rows the run trains on
+    DIR/dataset.jsonl     or a copy of them (generated rows; data.copy_rows) (:mod:`gymbridge.run.data`)
     DIR/metrics.jsonl     one JSON object per step (:meth:`~gymbridge.run.report.StepReport.record`)
     DIR/failures.jsonl    one JSON object per failed rollout / group (always present, empty if none)
     DIR/checkpoints/      run checkpoints (see :mod:`gymbridge.trainer.checkpoint`)
@@ -22,7 +23,10 @@ Invariants:
 * ``failures.jsonl`` is rewound the same way: only the records of rows the checkpoint counts as
   done stay (a row in flight at the crash runs again and records its failures again); the others
   move to ``failures.rewound.jsonl``;
-* every rewrite is atomic (:func:`gymbridge.safe_io.write_atomic`).
+* every rewrite is atomic (:func:`gymbridge.safe_io.write_atomic`); ``metrics.jsonl``'s rewind
+  reads backwards from its end and cuts the file after its last kept line (the moved lines are
+  appended to the ``.rewound`` file first), so a resume costs the lines it moves, not the run's
+  length; nothing here holds a whole history file in memory.
 """
 
 from __future__ import annotations
@@ -31,16 +35,20 @@ import contextlib
 import datetime as dt
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import yaml
 
 from gymbridge.errors import ConfigError
+from gymbridge.rowset import RowSet
 from gymbridge.safe_io import write_atomic
+
+if TYPE_CHECKING:
+    from gymbridge.run.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -60,22 +68,22 @@ def default_run_dir(env: str, *, root: Path = RUNS_ROOT, now: dt.datetime | None
     return path
 
 
-def _json_lines(path: Path) -> list[dict[str, Any]]:
-    """The JSON-object lines of ``path``; a line that does not parse (torn by a crash) is skipped."""
+def _json_lines(path: Path) -> Iterator[dict[str, Any]]:
+    """The JSON-object lines of ``path``, streamed; a line that does not parse (torn by a crash) is
+    skipped."""
     if not path.is_file():
-        return []
-    out: list[dict[str, Any]] = []
-    for lineno, line in enumerate(path.read_bytes().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            logger.warning("%s:%d: not JSON (torn by a crash?); dropped", path, lineno)
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
+        return
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                logger.warning("%s:%d: not JSON (torn by a crash?); dropped", path, lineno)
+                continue
+            if isinstance(obj, dict):
+                yield obj
 
 
 @dataclass(frozen=True)
@@ -91,6 +99,17 @@ class RunDir:
     @property
     def dataset_path(self) -> Path:
         return self.path / "dataset.jsonl"
+
+    @property
+    def dataset_ref_path(self) -> Path:
+        return self.path / "dataset.ref.json"
+
+    def dataset_rows(self, cfg: RunConfig) -> Path | Iterator[dict[str, Any]]:
+        """What the bridge reads: ``dataset.jsonl``, or the referenced file's rows with ``cfg``'s
+        defaults filled in, read lazily (:func:`gymbridge.run.data.dataset_rows`)."""
+        from gymbridge.run.data import dataset_rows
+
+        return dataset_rows(self, cfg)
 
     @property
     def metrics_path(self) -> Path:
@@ -161,10 +180,19 @@ class RunDir:
             os.close(fd)
 
     def metrics(self) -> list[dict[str, Any]]:
-        return _json_lines(self.metrics_path)
+        """Every record of ``metrics.jsonl`` (a long run's are many: :meth:`iter_metrics` streams)."""
+        return list(self.iter_metrics())
+
+    def iter_metrics(self, name: str = "metrics.jsonl") -> Iterator[dict[str, Any]]:
+        """The records of ``metrics.jsonl`` (or of ``name`` beside it), read line by line."""
+        return _json_lines(self.path / name)
+
+    def has_metrics(self) -> bool:
+        """Whether ``metrics.jsonl`` holds a line (without reading it)."""
+        return self.metrics_path.is_file() and self.metrics_path.stat().st_size > 0
 
     def failures(self) -> list[dict[str, Any]]:
-        return _json_lines(self.failures_path)
+        return list(_json_lines(self.failures_path))
 
     def rewind(self, *, last_step: int, done_task_indices: Iterable[int]) -> int:
         """Set aside what happened after a checkpoint; returns the number of lines moved.
@@ -173,8 +201,8 @@ class RunDir:
         ``metrics.rewound.jsonl``; failure records of rows not in ``done_task_indices`` move to
         ``failures.rewound.jsonl``. Nothing is deleted.
         """
-        done = set(done_task_indices)
-        moved = self._split(
+        done = done_task_indices if isinstance(done_task_indices, RowSet) else RowSet(done_task_indices)
+        moved = self._split_tail(
             self.metrics_path, lambda r: isinstance(r.get("step"), int) and r["step"] <= last_step
         )
         moved += self._split(self.failures_path, lambda r: r.get("task_index") in done)
@@ -189,23 +217,82 @@ class RunDir:
 
     def _split(self, path: Path, keep: Any) -> int:
         """Keep the lines of ``path`` for which ``keep(record)`` holds; append the rest to its
-        ``.rewound.jsonl`` sibling (that file first, so a crash in between duplicates, never loses)."""
+        ``.rewound.jsonl`` sibling (that file first, so a crash in between duplicates, never loses).
+
+        Streamed: a first pass finds whether any line moves (a file with nothing to move is not
+        rewritten), a second writes both files line by line; memory does not grow with the file."""
         if not path.is_file():
             return 0
-        kept: list[bytes] = []
-        moved: list[bytes] = []
-        for line in path.read_bytes().splitlines():
-            if not line.strip():
-                continue
+
+        def moves(line: bytes) -> bool:
             try:
                 record = orjson.loads(line)
             except orjson.JSONDecodeError:
-                record = None
-            (kept if isinstance(record, dict) and keep(record) else moved).append(line + b"\n")
+                return True
+            return not (isinstance(record, dict) and keep(record))
+
+        with path.open("rb") as f:
+            if not any(line.strip() and moves(line) for line in f):
+                return 0
+        aside = path.with_name(path.name.removesuffix(".jsonl") + ".rewound.jsonl")
+        moved = 0
+        with path.open("rb") as f, aside.open("ab") as out:
+            for line in f:
+                if line.strip() and moves(line):
+                    out.write(line.rstrip(b"\n") + b"\n")
+                    moved += 1
+            out.flush()
+        with path.open("rb") as f:
+            write_atomic(path, (line.rstrip(b"\n") + b"\n" for line in f if line.strip() and not moves(line)))
+        return moved
+
+    def _split_tail(self, path: Path, keep: Any) -> int:
+        """:meth:`_split` for an append-only file whose kept lines come first (``metrics.jsonl``: one
+        line per step, in step order): it reads backwards from the end up to the last line ``keep``
+        holds, so its cost is the lines it moves, not the run's length."""
+        if not path.is_file():
+            return 0
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            end, tail = size, b""
+            cut = 0  # the offset where the moved lines start
+            while end > 0:
+                start = max(0, end - (1 << 16))
+                f.seek(start)
+                tail = f.read(end - start) + tail
+                end = start
+                lines = tail.split(b"\n")
+                first_whole = 0 if start == 0 else 1  # a block's first line may be cut off
+                found = None
+                offset = start + sum(len(x) + 1 for x in lines[:first_whole])
+                offsets = []
+                for line in lines[first_whole:]:
+                    offsets.append(offset)
+                    offset += len(line) + 1
+                for line, at in zip(reversed(lines[first_whole:]), reversed(offsets), strict=True):
+                    if not line.strip():
+                        continue
+                    try:
+                        record = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(record, dict) and keep(record):
+                        found = at + len(line) + 1
+                        break
+                if found is not None:
+                    cut = min(found, size)
+                    break
+            f.seek(cut)
+            rest = f.read()
+        moved = [line + b"\n" for line in rest.split(b"\n") if line.strip()]
         if moved:
             aside = path.with_name(path.name.removesuffix(".jsonl") + ".rewound.jsonl")
-            with aside.open("ab") as f:
-                f.writelines(moved)
+            with aside.open("ab") as out:
+                out.writelines(moved)
+                out.flush()
+        if cut < size:
+            with path.open("r+b") as f:
+                f.truncate(cut)
                 f.flush()
-            write_atomic(path, kept)
+                os.fsync(f.fileno())
         return len(moved)

@@ -185,15 +185,24 @@ class StepCounters:
             self._http = None
 
 
-def median_split(records: Sequence[Mapping[str, Any]]) -> str:
-    """One line: the median ``step_s`` and the median seconds of every phase that took any time."""
-    timed = [r for r in records if "timing/other" in r]
-    if not timed:
+def median_split(steps: Sequence[Mapping[str, Any]] | Mapping[str, Sequence[float]]) -> str:
+    """One line: the median ``step_s`` and the median seconds of every phase that took any time.
+
+    ``steps``: the timed steps' records, or their columns (``{"step_s": [...], "timing/<phase>":
+    [...]}``, :attr:`~gymbridge.run.report.RunSummary.step_seconds`: one float a step)."""
+    if isinstance(steps, Mapping):
+        columns = steps
+    else:
+        timed = [r for r in steps if "timing/other" in r]
+        keys = ("step_s", *(f"timing/{p}" for p in PHASES))
+        columns = {k: [float(r.get(k, 0.0)) for r in timed] for k in keys}
+    step_s = columns.get("step_s") or []
+    if not step_s:
         return ""
-    step = statistics.median(float(r["step_s"]) for r in timed)
+    step = statistics.median(step_s)
     parts = []
     for phase in PHASES:
-        values = [float(r.get(f"timing/{phase}", 0.0)) for r in timed]
+        values = columns.get(f"timing/{phase}") or []
         if any(values):
             parts.append(f"{phase} {statistics.median(values):.3f}")
-    return f"step time, median of {len(timed)} step(s): {step:.3f}s; per phase (s): " + ", ".join(parts)
+    return f"step time, median of {len(step_s)} step(s): {step:.3f}s; per phase (s): " + ", ".join(parts)

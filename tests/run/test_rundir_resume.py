@@ -327,3 +327,20 @@ def test_max_staleness_1_with_the_generator_in_its_own_process(
     assert staleness[:2] == [0, 1] and max(staleness) == 1, staleness
     assert all(r["groups_dropped_stale"] == 0 for r in recs)
     assert sorted(t for r in recs for t in r["task_indices"]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("last_step", [0, 1, 1500, 2999, 3000, 3001])
+def test_rewind_of_a_long_metrics_file_cuts_its_tail_in_place(tmp_path: Path, last_step: int) -> None:
+    """A resume of a 3,000-step run moves the lines after its checkpoint (and a torn last line)
+    and leaves the file's kept bytes where they are: the same file, cut, not a rewrite."""
+    run = RunDir.create(tmp_path)
+    pad = "x" * 90  # ~100 bytes a line: the file spans several of the backward reader's blocks
+    lines = [orjson.dumps({"step": s, "pad": pad}) for s in range(1, 3001)] + [b'{"step":3001,"to']
+    run.metrics_path.write_bytes(b"\n".join(lines) + b"\n")
+    inode = run.metrics_path.stat().st_ino
+    kept = min(last_step, 3000)
+    assert run.rewind(last_step=last_step, done_task_indices=[]) == len(lines) - kept
+    assert run.metrics_path.stat().st_ino == inode
+    assert run.metrics_path.read_bytes() == b"".join(line + b"\n" for line in lines[:kept])
+    assert (run.path / "metrics.rewound.jsonl").read_bytes().splitlines() == lines[kept:]
+    assert run.has_metrics() == (kept > 0)
