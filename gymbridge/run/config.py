@@ -87,8 +87,15 @@ class DataConfig(StrictModel):
     """The ``data:`` section."""
 
     path: str | None = None
-    """NeMo Gym rows (jsonl) to train on, each validated before anything starts; ``None``: rows made by
-    the environment's data generator (``steps x bridge.prompts_per_step`` of them)."""
+    """NeMo Gym rows (jsonl) to train on, each validated in one streaming pass before anything
+    starts; the run directory refers to the file (``dataset.ref.json``: its path, size, sha256 and
+    row count; a resume refuses a file that changed) and the bridge reads it lazily. ``None``: rows
+    made by the environment's data generator (``steps x bridge.prompts_per_step`` of them), written
+    to the run directory's ``dataset.jsonl``."""
+    copy_rows: bool = False
+    """Copy ``path``'s rows into the run directory's ``dataset.jsonl`` (the run's sampling defaults
+    filled in; base64 media included) instead of referring to the file: the run then survives the
+    file moving or changing, at the cost of its size again on disk."""
 
 
 class ModelConfig(StrictModel):

@@ -11,8 +11,11 @@
    one; ``resume="must"`` (``--resume``) needs a checkpoint and refuses without one
    (:class:`~gymbridge.errors.ResumeError`); ``resume="allow"`` (``--resume-or-start``) starts
    afresh when there is none, setting the earlier attempt's lines aside. A run whose checkpoint
-   already holds every step does nothing and says so. History files are never truncated;
-2. **data** (:mod:`gymbridge.run.data`): ``dataset.jsonl``, written once;
+   already holds every step does nothing and says so. No history line is ever lost (a resume
+   moves the lines after its checkpoint to ``*.rewound.jsonl``);
+2. **data** (:mod:`gymbridge.run.data`): ``dataset.ref.json`` (``data.path`` by reference, read
+   lazily; a resume checks its size and sha256) or ``dataset.jsonl`` (generated rows, or
+   ``data.copy_rows``), written once;
 3. **model** (:mod:`gymbridge.run.model`) and **trainer**: a resumed run loads its checkpoint
    (weights, optimizer, RNG, the rows done); a fresh one runs the optional format warm-up
    (:mod:`gymbridge.run.warmup`), then takes the KL reference from the warmed-up weights. The
@@ -52,6 +55,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ConfigError, ResumeError
+from gymbridge.rowset import RowSet
 from gymbridge.run.callbacks import Callback, default_callbacks
 from gymbridge.run.config import RunConfig
 from gymbridge.run.report import RunSummary, StepReport, group_rewards, payload_delta
@@ -107,7 +111,7 @@ class GRPORun:
         self._stack = contextlib.AsyncExitStack()
         self._started = 0.0
         self._set_up = False
-        self._done_task_indices: frozenset[int] = frozenset()
+        self._done_task_indices = RowSet()
         self._resuming = False
         self._resumed_shards: Path | None = None
         """A sharded checkpoint this run resumed from, whose slices the FSDP workers load."""
@@ -216,7 +220,7 @@ class GRPORun:
         run = RunDir(path)
         done = latest_step(run.checkpoints_path)
         if self.resume == "never":
-            if run.metrics() or done is not None:
+            if run.has_metrics() or done is not None:
                 raise ConfigError(
                     [
                         f"output.run_dir {path} already holds a run: continue it with --resume {path}, "
@@ -262,19 +266,18 @@ class GRPORun:
         return resolve_env(cfg.env.name)
 
     def _setup_data(self, spec: Any) -> None:
-        from gymbridge.run.data import count_rows, write_dataset
+        from gymbridge.run.data import resume_dataset, write_run_dataset
         from gymbridge.run.userenv import UserEnv
 
         cfg = self.config
-        path = self.run_dir.dataset_path
-        if self._resuming and path.is_file():
-            self.say(f"dataset: {count_rows(path)} rows (the run's own) -> {path}")
+        kept = resume_dataset(self.run_dir, progress=self.say) if self._resuming else None
+        if kept is not None:  # a reference is re-checked: ResumeError if the file changed
+            self.say(kept)
             return
         if cfg.data.path is None and (spec is None or isinstance(spec, UserEnv)):
             where = cfg.env.agent_url or cfg.env.name
             raise ConfigError([f"{where}: no data generator here; give data.path (NeMo Gym rows: --dataset)"])
-        n, origin = write_dataset(cfg, spec, path)
-        self.say(f"dataset: {n} rows ({origin}) -> {path}")
+        self.say(write_run_dataset(cfg, spec, self.run_dir, progress=self.say))
 
     def _setup_model(self, spec: Any) -> None:
         from gymbridge.bridge import TokenRateShaping
@@ -486,7 +489,7 @@ class GRPORun:
             # on-policy with the drift guard on, a lagging generator must fail the step loudly
             bridge_cfg = bridge_cfg.model_copy(update={"drop_stale": False})
         self.bridge = BridgeIterator(
-            self.run_dir.dataset_path,
+            self.run_dir.dataset_rows(cfg),
             self.services.source,
             MediaProcessor(self.model.processor),
             bridge_cfg,
@@ -613,7 +616,8 @@ class GRPORun:
         self._checkpointed = step
         # the rows this process consumed and those its checkpoint had (a resumed run's bridge skips
         # them and knows only its own): a resume of a resumed run must not train them again
-        done = set(self.bridge.done_task_indices) | self._done_task_indices
+        done = self.bridge.done_task_indices.copy()
+        done.update(self._done_task_indices)
         if self.dp is not None and self.dp.strategy == "fsdp":
             return await asyncio.to_thread(
                 save_sharded_checkpoint,
@@ -659,17 +663,17 @@ class GRPORun:
         s.rollouts_ok = self.bridge.stats.rollouts_ok
         s.rollouts_failed = self.bridge.stats.rollouts_failed
         s.bridge_stats = self.bridge.stats.as_dict()
-        if s.steps:
+        if s.steps_done:
             first, last = s.env_rewards[0], s.env_rewards[-1]
             if self.shaping is not None:
                 shaped_first, shaped_last = first + s.shaping_rewards[0], last + s.shaping_rewards[-1]
                 self.say(
-                    f"\nshaped reward {shaped_first:.3f} -> {shaped_last:.3f} over {len(s.steps)} steps "
+                    f"\nshaped reward {shaped_first:.3f} -> {shaped_last:.3f} over {s.steps_done} steps "
                     f"(toy token_rate {self.shaping.chars!r}); env reward {first:.3f} -> {last:.3f}"
                 )
             else:
-                self.say(f"\nenv reward {first:.3f} -> {last:.3f} over {len(s.steps)} steps")
-        split = median_split(s.records)
+                self.say(f"\nenv reward {first:.3f} -> {last:.3f} over {s.steps_done} steps")
+        split = median_split(s.step_seconds)
         if split:
             self.say("\n" + split)
         if cfg.output.payload_metrics:
@@ -703,10 +707,10 @@ class GRPORun:
         s.elapsed_s = time.perf_counter() - self._started
         st = s.bridge_stats
         stale = f", {st['groups_dropped_stale']} stale" if st.get("groups_dropped_stale") else ""
-        skipped = sum(1 for m in s.steps if m.skipped is not None)
+        skipped = s.steps_skipped
         dropped = st.get("groups_zero_variance_dropped", 0)
         self.say(
-            f"\ndone: {len(s.steps)} step(s)"
+            f"\ndone: {s.steps_done} step(s)"
             + (f" ({skipped} skipped: no learning signal)" if skipped else "")
             + f", {s.rollouts_ok} rollouts ok, {s.rollouts_failed} failed ({st.get('groups_failed', 0)} "
             f"failed group(s), {st.get('groups_zero_variance', 0)} zero-variance{stale}"

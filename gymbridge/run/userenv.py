@@ -9,7 +9,8 @@ way; this module resolves two parts a user brings (the third, a model directory,
   :class:`~gymbridge.server.ResourcesServer` subclass, imported and started by the launcher on
   127.0.0.1 next to our agent and model server);
 * :func:`read_dataset`: NeMo Gym rows (``responses_create_params`` + any extra keys), each line
-  validated against the wire model before anything starts; a bad line is a
+  validated against the wire model before anything starts, in one streaming pass that also
+  gives the file's size, sha256 and row count (:mod:`gymbridge.run.data`); a bad line is a
   :class:`~gymbridge.errors.ConfigError` naming the file and line;
 
 Invariants: ``module:Class`` is imported only because the user named it (the one place a run
@@ -24,11 +25,12 @@ import importlib.util
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
-
-import orjson
+from typing import TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gymbridge.run.data import DatasetFile
 
 __all__ = ["UserEnv", "is_class_ref", "read_dataset", "resolve_env"]
 
@@ -91,52 +93,18 @@ def resolve_env(env: str) -> Any:
     return UserEnv(env, cls, modalities, int(getattr(cls, "MAX_TURNS", 1)))
 
 
-def read_dataset(path: str | Path) -> list[bytes]:
-    """The rows of the jsonl ``path`` (one JSON object a line), validated; returns each row's line.
+def read_dataset(path: str | Path) -> DatasetFile:
+    """Validate the jsonl ``path`` (one NeMo Gym row a line) in one streaming pass; returns what it found.
 
-    A row is a NeMo Gym dataset row: ``responses_create_params`` (the Responses-API request:
-    ``input`` etc.) plus any other keys (kept verbatim). Raises :class:`ConfigError` naming every
-    bad line (``rows.jsonl:3: ...``) and for a file without rows.
+    A row is ``responses_create_params`` (the Responses-API request: ``input`` etc.) plus any other
+    keys (kept verbatim); blank lines are skipped. Memory stays bounded by the longest line
+    (:class:`~gymbridge.run.data.DatasetReader`). Returns the file's absolute path, size, sha256 and
+    row count (``len()``); raises :class:`ConfigError` naming every bad line (``rows.jsonl:3:
+    ...``; the first 20, then a count) and for a file without rows.
     """
-    from pydantic import ValidationError
+    from gymbridge.run.data import DatasetReader
 
-    from gymbridge.protocol import RunRequest
-
-    source = Path(path)
-    try:
-        lines = source.read_bytes().splitlines()
-    except OSError as exc:
-        raise ConfigError([f"dataset: cannot read {source}: {exc.strerror or exc}"]) from exc
-    problems: list[str] = []
-    rows: list[bytes] = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{source}:{lineno}"
-        try:
-            row = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            problems.append(f"{where}: not JSON: {exc}")
-            continue
-        if not isinstance(row, dict):
-            problems.append(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-            continue
-        rcp = row.get("responses_create_params")
-        if not isinstance(rcp, dict) or "input" not in rcp:
-            problems.append(f"{where}: responses_create_params with an input is required (a NeMo Gym row)")
-            continue
-        try:
-            RunRequest.model_validate(row)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
-            problems.append(f"{where}: {loc}: {first['msg']}")
-            continue
-        rows.append(line)
-        if len(problems) >= 20:
-            break
-    if problems:
-        raise ConfigError(problems)
-    if not rows:
-        raise ConfigError([f"dataset: {source} holds no rows"])
-    return rows
+    reader = DatasetReader(path)
+    for _ in reader:
+        pass
+    return reader.result()

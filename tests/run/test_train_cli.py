@@ -98,10 +98,10 @@ def test_train_cli_on_an_environment_class_defined_here(
     assert [r["env_reward_mean"] for r in records] == pytest.approx(
         [sum(VERIFIED[:8]) / 8, sum(VERIFIED[8:]) / 8]
     )
-    # the run directory holds the user's rows, charts, viewer
-    saved = [json.loads(line) for line in (run_dir / "dataset.jsonl").read_text().splitlines()]
-    assert [r["letters"] for r in saved] == [r["letters"] for r in rows(8)]
-    assert saved[0]["responses_create_params"]["max_output_tokens"] == 256  # the default budget
+    # the run directory refers to the user's rows (no copy), and holds charts and viewer
+    ref = json.loads((run_dir / "dataset.ref.json").read_text())
+    assert ref["path"] == str(dataset.resolve()) and ref["rows"] == 8
+    assert not (run_dir / "dataset.jsonl").exists()
     assert (run_dir / "viewer" / "index.html").is_file() and any((run_dir / "charts").glob("*.png"))
     cfg = RunConfig.model_validate(__import__("yaml").safe_load((run_dir / "config.yaml").read_text()))
     assert cfg.env.name == f"{__name__}:VowelEnv" and cfg.data.path == str(dataset)
