@@ -6,8 +6,10 @@ checkpoints):
 * :func:`write_atomic` writes a file through a temporary file in the same directory
   (flush + fsync + ``os.replace`` + directory fsync): a crash mid-write leaves whatever
   was at the path before intact. A save killed hard (``SIGKILL``, power loss) can leave
-  its temporary file behind; the next :func:`write_atomic` or :func:`load_state` of the
-  same path removes such stale files (:func:`remove_stale_temps`).
+  its temporary file behind: a process's first :func:`write_atomic` into a directory removes
+  the stale temporary files there of writers that are gone (one listing per directory per
+  process, so a folder of 10,000 step files costs one scan, not one a write), and every
+  :func:`load_state` of a path removes that path's (:func:`remove_stale_temps`).
 * :func:`save_state` / :func:`load_state` store ``dict[str, torch.Tensor]`` plus a
   JSON-able ``meta`` dict as one **safetensors** file (tensors as raw little-endian bytes,
   ``meta`` as a JSON string in the safetensors ``__metadata__`` header) with a **sha256**
@@ -129,26 +131,55 @@ def remove_stale_temps(path: str | Path) -> int:
             legacy = _LEGACY_TEMP_RE.match(entry.name)
             if legacy is None or legacy["name"] != target.name:
                 continue
-        try:
-            size = entry.stat().st_size
-            entry.unlink()
-        except OSError:
-            continue
-        freed += size
-        logger.warning("removed stale temporary file %s (%d bytes) of an interrupted save", entry, size)
+        freed += _remove_temp(entry)
     return freed
+
+
+def _remove_temp(entry: Path) -> int:
+    """Remove the stale temp file ``entry`` (logged); returns its size (0 when it could not be)."""
+    try:
+        size = entry.stat().st_size
+        entry.unlink()
+    except OSError:
+        return 0
+    logger.warning("removed stale temporary file %s (%d bytes) of an interrupted save", entry, size)
+    return size
+
+
+_swept: set[str] = set()
+"""Directories this process has swept for stale temp files (:func:`_sweep_once`)."""
+
+
+def _sweep_once(directory: Path) -> None:
+    """Remove the temp files in ``directory`` whose writer process is gone, the first time this
+    process writes there (temp files of this process are removed by the save that made them)."""
+    key = str(directory.resolve())
+    with _active_lock:
+        if key in _swept:
+            return
+        _swept.add(key)
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    me = os.getpid()
+    for entry in entries:
+        m = _TEMP_RE.match(entry.name)
+        if m is None or int(m["pid"]) == me or _pid_alive(int(m["pid"])):
+            continue
+        _remove_temp(entry)
 
 
 def write_atomic(path: str | Path, chunks: Iterable[bytes]) -> None:
     """Write ``chunks`` to ``path`` atomically (temp file in the same directory + fsync + ``os.replace``).
 
     If anything fails before the rename (including the ``chunks`` iterable itself), the temp
-    file is removed and whatever was at ``path`` before is untouched. Stale temp files of
-    earlier killed saves of ``path`` are removed first.
+    file is removed and whatever was at ``path`` before is untouched. The first write of this
+    process into ``path``'s directory removes the stale temp files there (module docstring).
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(target)
+    _sweep_once(target.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     with _active_lock:
         _active_temps.add(tmp)

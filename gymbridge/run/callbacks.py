@@ -69,16 +69,20 @@ class MetricsFileCallback(Callback):
 
 
 class ArtifactsCallback(Callback):
-    """``rollouts/step_<n>.jsonl`` every step, ``charts/`` and the viewer at step 1, every
-    ``chart_every`` steps and at the end.
+    """``rollouts/step_<n>.jsonl`` and the step's viewer file every step, ``charts/`` and the
+    viewer's index at step 1, every ``chart_every`` steps and at the end
+    (:mod:`gymbridge.run.artifacts`).
 
-    A writer thread of its own does the writing: ``on_step`` queues the step and returns, so the
-    loop goes on while the files are written, in step order. A refresh of the charts and viewer
-    that falls due while the previous one is still queued or running is skipped (the next one,
-    or the end, draws every step). At most :attr:`backlog` steps wait for the writer: beyond
-    that ``on_step`` waits (visibly, in the next step's ``timing/artifacts``). A writer's error
-    is raised at the next ``on_step`` or at the end; when the run stops on an error of its own,
-    :meth:`close` waits for the queued writes and says (and logs) each one's error instead.
+    A writer thread of its own does the writing: ``on_step`` queues the step and its record and
+    returns, so the loop goes on while the files are written, in step order. A refresh of the
+    charts and viewer that falls due while the previous one is still queued or running is skipped
+    (the next one, or the end, draws every step). At most :attr:`backlog` steps wait for the
+    writer: beyond that ``on_step`` waits (visibly, in the next step's ``timing/artifacts``). A
+    writer's error is raised at the next ``on_step`` or at the end; when the run stops on an error
+    of its own, :meth:`close` waits for the queued writes and says (and logs) each one's error
+    instead. It holds no step's record beyond the queued ones: the charts' values are compact
+    series (:class:`~gymbridge.run.artifacts.ChartSeries`), which a resumed run reads from
+    ``metrics.jsonl`` a line at a time, in the writer thread (the set-up does not wait for it).
     """
 
     backlog = 4
@@ -86,16 +90,24 @@ class ArtifactsCallback(Callback):
     def on_setup(self, run: GRPORun) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from gymbridge.run.artifacts import RunArtifacts
+        from gymbridge.run.artifacts import ChartSeries, RunArtifacts
 
         self._say = run.say
-        self._records = run.run_dir.metrics()  # a resumed run's earlier steps included
         self._artifacts = RunArtifacts(
-            run.run_dir.path, decode=run.model.tokenizer.decode, chart_every=run.config.output.chart_every
+            run.run_dir.path,
+            decode=run.model.tokenizer.decode,
+            chart_every=run.config.output.chart_every,
         )
         self._writer: Any = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymbridge-artifacts")
         self._queued: collections.deque[tuple[int, Any]] = collections.deque()  # (step, its write)
         self._refresh: Any = None
+        # a resumed run's earlier steps: read by the writer, before its first step's files, so the
+        # set-up does not wait for a read that grows with the run's length
+        job = self._writer.submit(self._load_series, ChartSeries.read, run.run_dir.metrics_path)
+        self._queued.append((0, job))
+
+    def _load_series(self, read: Any, path: Any) -> None:
+        self._artifacts.series = read(path)
 
     def _settle(self, keep: int) -> None:
         """Raise a finished write's error; wait until at most ``keep`` writes are queued."""
@@ -104,13 +116,12 @@ class ArtifactsCallback(Callback):
 
     def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
         self._settle(self.backlog - 1)
-        self._records.append(dict(record))
         refresh = self._artifacts.refresh_due(report.step) and (self._refresh is None or self._refresh.done())
         job = self._writer.submit(
             self._artifacts.record_step,
             report.step,
             report.batch.groups,
-            list(self._records),
+            dict(record),  # the writer reads it later: a copy of this step's record only
             refresh=refresh,
         )
         self._queued.append((report.step, job))
@@ -119,7 +130,7 @@ class ArtifactsCallback(Callback):
 
     def on_end(self, summary: RunSummary) -> None:
         self._settle(0)
-        self._artifacts.finish(self._records)
+        self._artifacts.finish()
         self._say(f"charts: {self._artifacts.charts_path}/\nviewer: {self._artifacts.viewer_path}")
 
     def close(self) -> None:
