@@ -16,6 +16,13 @@ Invariants:
   never closes sessions cannot grow memory without bound; a session enters the
   store only when a handler uses it (``ctx.session``), so stateless routes (an
   agent's ``/run``, a model call) store nothing per request;
+* a finished session (``verify`` answered: the rollout's last call) leaves the store
+  (:meth:`GymServer.finish_session`): the newest ``finished_sessions`` (1,024) are kept,
+  state and all, so a repeated ``verify`` answers as the first did; the ids of the
+  ``finished_ids`` (16,384) before them are remembered, so continuing one is
+  ``env_session_lost``. A long run's server holds the rollouts in flight and a fixed
+  number of finished ones, not every rollout it ever served (stock servers keep them
+  until ``close_session``);
 * a handler is cancelled when its client disconnects (``handler_cancellation``),
   so a caller's deadline also stops the work it started downstream;
 * a call that continues a session (``RequestContext.existing_session``: tool calls,
@@ -270,6 +277,10 @@ class GymServer:
         # Minted session ids carry an HMAC under this instance's key, so a cookie minted by an earlier
         # incarnation (a restart) or another server is told apart from one minted here but not stored yet.
         self._session_key = secrets.token_bytes(16)
+        self._finished: OrderedDict[str, Session] = OrderedDict()
+        """Sessions whose rollout ended (:meth:`finish_session`), the newest ``finished_sessions``."""
+        self._finished_ids: OrderedDict[str, None] = OrderedDict()
+        """Ids of finished sessions no longer kept whole, the newest ``finished_ids``."""
         self._dropped: OrderedDict[str, None] = OrderedDict()
         """Ids evicted from the full store (the last ``max_sessions``): continuing one is
         ``env_session_lost``. A session its client closed is not remembered: the client ended it."""
@@ -315,9 +326,30 @@ class GymServer:
     def session(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
+    finished_sessions = 1024
+    """Finished sessions kept whole (:meth:`finish_session`)."""
+    finished_ids = 16_384
+    """Ids of older finished sessions remembered (continuing one is ``env_session_lost``)."""
+
     def drop_session(self, session_id: str) -> bool:
         """Forget a session its client closed (a later call with its cookie starts afresh, as stock)."""
-        return self._sessions.pop(session_id, None) is not None
+        finished = self._finished.pop(session_id, None) is not None
+        return self._sessions.pop(session_id, None) is not None or finished
+
+    def finish_session(self, session_id: str) -> None:
+        """The rollout of ``session_id`` ended: move it out of the store, to the newest
+        :attr:`finished_sessions` (a repeated last call still finds it); an older finished one
+        keeps only its id (the newest :attr:`finished_ids`): continuing it is
+        ``env_session_lost``."""
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            return
+        self._finished[session_id] = session
+        while len(self._finished) > self.finished_sessions:
+            old, _ = self._finished.popitem(last=False)
+            self._finished_ids[old] = None
+            while len(self._finished_ids) > self.finished_ids:
+                self._finished_ids.popitem(last=False)
 
     def _remember_dropped(self, session_id: str) -> None:
         self._dropped[session_id] = None
@@ -334,14 +366,25 @@ class GymServer:
     def session_usable(self, session_id: str) -> bool:
         """True when a call may continue ``session_id``: it is stored, or this instance minted
         it and never evicted it (a session enters the store on first use)."""
-        if session_id in self._sessions:
+        if session_id in self._sessions or session_id in self._finished:
             return True
         token, _, sig = session_id.rpartition(".")
-        return bool(token) and hmac.compare_digest(sig, self._sign(token)) and session_id not in self._dropped
+        return (
+            bool(token)
+            and hmac.compare_digest(sig, self._sign(token))
+            and session_id not in self._dropped
+            and session_id not in self._finished_ids
+        )
 
     @property
     def num_sessions(self) -> int:
+        """Sessions in the store: those of rollouts not finished."""
         return len(self._sessions)
+
+    @property
+    def num_finished_sessions(self) -> int:
+        """Finished sessions kept (at most :attr:`finished_sessions`)."""
+        return len(self._finished)
 
     def _open_session(self, session_id: str) -> Session:
         """The stored session ``session_id`` (most recently used now), created when absent."""
@@ -349,9 +392,14 @@ class GymServer:
         if found is not None:
             self._sessions.move_to_end(session_id)
             return found
+        found = self._finished.pop(session_id, None)
+        if found is not None:  # a finished session called again: back in the store
+            self._sessions[session_id] = found
+            return found
         session = Session(id=session_id)
         self._sessions[session_id] = session
         self._dropped.pop(session_id, None)
+        self._finished_ids.pop(session_id, None)
         while len(self._sessions) > self.max_sessions:
             evicted, _ = self._sessions.popitem(last=False)
             self._remember_dropped(evicted)

@@ -223,7 +223,9 @@ class ResourcesServer(GymServer):
                 failure_reason=str(fault),
                 extra={**result.extra, "env_fault": fault_record(fault)},
             )
-        return json_response(_verify_payload(type(self).__name__, body, result))
+        payload = _verify_payload(type(self).__name__, body, result)
+        self.finish_session(session.id)  # verify is the rollout's last call
+        return json_response(payload)
 
     async def _reset_endpoint(self, ctx: RequestContext) -> web.StreamResponse:
         row = await ctx.json_object()

@@ -50,7 +50,8 @@ async def test_regression_agent_and_model_store_no_session_per_rollout() -> None
         await env.stop()
     assert agent_server.num_sessions == 0
     assert model_server.num_sessions == 0
-    assert env_server.num_sessions == 5  # the environment's sessions are real state: one per rollout
+    # the environment's sessions are real state, one per rollout; verify ended each rollout
+    assert env_server.num_sessions == 0 and env_server.num_finished_sessions == 5
 
 
 async def test_session_cookie_round_trips_for_an_unstored_session() -> None:
@@ -158,3 +159,33 @@ def test_tune_gc_for_serving_freezes_startup_objects_and_raises_gen0() -> None:
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+async def test_regression_a_long_run_does_not_keep_every_rollouts_session() -> None:
+    """The soak of issue 42 found the launcher growing 36 KB a step: the environment kept every
+    rollout's session (100,000 before eviction). A verified rollout leaves the store: the newest
+    ``finished_sessions`` stay whole, so a repeated verify answers as the first did; for the
+    ``finished_ids`` before them a repeated verify is ``env_session_lost`` (409), never a score from
+    an empty session."""
+    server = CounterEnv()
+    server.finished_sessions, server.finished_ids = 3, 4
+    verify = {"responses_create_params": {"input": "x"}, "response": {"output": []}, "target": 2}
+    cookies: list[dict[str, str]] = []
+    async with await start_server(server) as env, no_jar() as http:
+        for _ in range(10):
+            async with http.post(
+                env.url + "/seed_session", json={"responses_create_params": {"input": "x"}}
+            ) as r:
+                headers = {"Cookie": f"{server.cookie_name}={r.cookies[server.cookie_name].value}"}
+            async with http.post(env.url + "/increment", json={"amount": 2}, headers=headers) as r:
+                assert (await r.json()) == {"count": 2}
+            async with http.post(env.url + "/verify", json=verify, headers=headers) as r:
+                assert (await r.json())["reward"] == 0.8
+            cookies.append(headers)
+        assert server.num_sessions == 0 and server.num_finished_sessions == 3
+        async with http.post(env.url + "/verify", json=verify, headers=cookies[-1]) as r:
+            assert r.status == 200 and (await r.json())["reward"] == 0.8  # recent: the same answer
+        async with http.post(env.url + "/verify", json=verify, headers=cookies[-5]) as r:
+            assert r.status == 409 and r.headers["X-Gymbridge-Error"] == "env_session_lost"
+        # what is held is bounded: 3 sessions whole, 4 ids, whatever the number of rollouts
+        assert (server.num_finished_sessions, len(server._finished_ids), len(server._dropped)) == (3, 4, 0)
