@@ -172,14 +172,6 @@ class ChartSeries:
             series.append(record)
         return series
 
-    @classmethod
-    def read(cls, metrics_path: Path) -> ChartSeries:
-        """The series of a ``metrics.jsonl``, read a line at a time (a line that does not parse,
-        torn by a crash, is skipped, as :class:`~gymbridge.run.rundir.RunDir` does)."""
-        from gymbridge.run.rundir import RunDir
-
-        return cls.from_records(RunDir(metrics_path.parent).iter_metrics(metrics_path.name))
-
     @staticmethod
     def _plotted(record: Mapping[str, Any]) -> dict[str, float]:
         out = {key: _number(record.get(key)) for key in (*(k for k, _ in CHARTS.values()), "step_s")}
@@ -245,7 +237,7 @@ class RunArtifacts:
         index_chunk: int = INDEX_CHUNK,
     ) -> None:
         """``decode(token_ids) -> str`` renders generated text (``None``: token ids only); ``series``:
-        the charts' values so far (a resumed run's: :meth:`ChartSeries.read` of its metrics.jsonl)."""
+        the charts' values so far (a resumed run's: :meth:`ChartSeries.from_records` of its metrics.jsonl)."""
         self.path = Path(path)
         self.decode = decode
         self.chart_every = max(1, chart_every)

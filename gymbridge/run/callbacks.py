@@ -90,7 +90,7 @@ class ArtifactsCallback(Callback):
     def on_setup(self, run: GRPORun) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        from gymbridge.run.artifacts import ChartSeries, RunArtifacts
+        from gymbridge.run.artifacts import RunArtifacts
 
         self._say = run.say
         self._artifacts = RunArtifacts(
@@ -103,11 +103,13 @@ class ArtifactsCallback(Callback):
         self._refresh: Any = None
         # a resumed run's earlier steps: read by the writer, before its first step's files, so the
         # set-up does not wait for a read that grows with the run's length
-        job = self._writer.submit(self._load_series, ChartSeries.read, run.run_dir.metrics_path)
+        job = self._writer.submit(self._load_series, run.run_dir)
         self._queued.append((0, job))
 
-    def _load_series(self, read: Any, path: Any) -> None:
-        self._artifacts.series = read(path)
+    def _load_series(self, run_dir: Any) -> None:
+        from gymbridge.run.artifacts import ChartSeries
+
+        self._artifacts.series = ChartSeries.from_records(run_dir.iter_metrics())
 
     def _settle(self, keep: int) -> None:
         """Raise a finished write's error; wait until at most ``keep`` writes are queued."""

@@ -38,7 +38,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 import yaml
@@ -183,9 +183,9 @@ class RunDir:
         """Every record of ``metrics.jsonl`` (a long run's are many: :meth:`iter_metrics` streams)."""
         return list(self.iter_metrics())
 
-    def iter_metrics(self, name: str = "metrics.jsonl") -> Iterator[dict[str, Any]]:
-        """The records of ``metrics.jsonl`` (or of ``name`` beside it), read line by line."""
-        return _json_lines(self.path / name)
+    def iter_metrics(self) -> Iterator[dict[str, Any]]:
+        """The records of ``metrics.jsonl``, read line by line."""
+        return _json_lines(self.metrics_path)
 
     def has_metrics(self) -> bool:
         """Whether ``metrics.jsonl`` holds a line (without reading it)."""
@@ -219,8 +219,8 @@ class RunDir:
         """Keep the lines of ``path`` for which ``keep(record)`` holds; append the rest to its
         ``.rewound.jsonl`` sibling (that file first, so a crash in between duplicates, never loses).
 
-        Streamed: a first pass finds whether any line moves (a file with nothing to move is not
-        rewritten), a second writes both files line by line; memory does not grow with the file."""
+        Streamed: a first pass appends the moved lines aside, a second (only when a line moved)
+        rewrites the kept ones; memory does not grow with the file."""
         if not path.is_file():
             return 0
 
@@ -231,19 +231,20 @@ class RunDir:
                 return True
             return not (isinstance(record, dict) and keep(record))
 
-        with path.open("rb") as f:
-            if not any(line.strip() and moves(line) for line in f):
-                return 0
         aside = path.with_name(path.name.removesuffix(".jsonl") + ".rewound.jsonl")
         moved = 0
-        with path.open("rb") as f, aside.open("ab") as out:
-            for line in f:
+        with contextlib.ExitStack() as stack:  # the moved lines go aside first (opened once one moves)
+            out: IO[bytes] | None = None
+            for line in stack.enter_context(path.open("rb")):
                 if line.strip() and moves(line):
+                    out = out or stack.enter_context(aside.open("ab"))
                     out.write(line.rstrip(b"\n") + b"\n")
                     moved += 1
-            out.flush()
-        with path.open("rb") as f:
-            write_atomic(path, (line.rstrip(b"\n") + b"\n" for line in f if line.strip() and not moves(line)))
+        if moved:
+            with path.open("rb") as f:
+                write_atomic(
+                    path, (line.rstrip(b"\n") + b"\n" for line in f if line.strip() and not moves(line))
+                )
         return moved
 
     def _split_tail(self, path: Path, keep: Any) -> int:
