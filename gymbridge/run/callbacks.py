@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ class Callback:
 
     def on_step(self, report: StepReport, record: Mapping[str, Any]) -> None:
         """A step is done; ``record`` is its ``metrics.jsonl`` line."""
+
+    def on_eval(self, record: Mapping[str, Any], rollouts: Sequence[Mapping[str, Any]]) -> None:
+        """A validation pass is done (:mod:`gymbridge.run.evaluation`): ``record`` is its ``eval.jsonl``
+        line, ``rollouts`` the lines of its ``eval/step_<n>.jsonl`` (already written)."""
 
     def on_end(self, summary: RunSummary) -> None:
         """The run's last step is done (or the data ran out); nothing more will be trained."""

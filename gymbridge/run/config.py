@@ -2,7 +2,7 @@
 
 A run's config is the components' own configs side by side (``env``, ``data``, ``model``,
 ``generator``, ``rollout``, ``bridge``, ``shaping``, ``warmup``, ``trainer``, ``dp``,
-``checkpoint``, ``output``) plus ``steps`` and ``seed``. The defaults are the config classes'
+``checkpoint``, ``eval``, ``output``) plus ``steps`` and ``seed``. The defaults are the config classes'
 field defaults and nothing else: they are what a user fine-tuning a pretrained VLM expects
 (``trainer.lr`` 1e-6, no shaping, no format warm-up; :class:`~gymbridge.trainer.GRPOConfig`).
 
@@ -55,6 +55,7 @@ __all__ = [
     "DPConfig",
     "DataConfig",
     "EnvConfig",
+    "EvalConfig",
     "ModelConfig",
     "OutputConfig",
     "RolloutConfig",
@@ -202,6 +203,45 @@ class CheckpointConfig(StrictModel):
     """Checkpoints kept; older ones are removed once a newer one is complete."""
 
 
+class EvalConfig(StrictModel):
+    """The ``eval:`` section: validation on held-out prompts while the policy trains (off by default).
+
+    Each evaluation sends up to ``max_prompts`` prompts ``n`` times through the run's own rollout
+    path (Gym or native) at the policy version just published, trains on none of it, and writes
+    ``eval.jsonl`` (mean reward, pass@k, pass@1[avg-of-k], majority@k with ``answer_key``; per
+    environment too) and ``eval/step_<n>.jsonl`` (its rollouts). :mod:`gymbridge.run.evaluation`
+    says how it interleaves with training."""
+
+    data: str | None = None
+    """NeMo Gym rows (jsonl) to validate on; ``None``: ``max_prompts`` rows from the environment's
+    data generator at seed ``seed + 1`` (a generator of a small discrete task can repeat training
+    prompts: give held-out rows of your own for a real validation set)."""
+    every: int = Field(0, ge=0)
+    """Evaluate after every K-th step (0: never during the run)."""
+    at_start: bool = False
+    """Evaluate the starting policy (version 0, or a resumed run's checkpoint) before step 1."""
+    at_end: bool | None = None
+    """Evaluate the final policy after the last step; ``None``: when ``every`` > 0."""
+    n: int = Field(4, ge=1)
+    """Samples per prompt (the k of pass@k)."""
+    temperature: float | None = Field(None, ge=0)
+    """Sampling temperature of validation rollouts; ``None``: ``trainer.temperature``. 0: greedy."""
+    max_prompts: int = Field(64, ge=1)
+    """Prompts per evaluation: the first ``max_prompts`` rows of ``data`` (or generated)."""
+    answer_key: str | None = None
+    """The result field holding each rollout's extracted answer (majority@k, ``no_answer``); ``None``:
+    majority@k is not computed."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.at_start or bool(self.at_end)
+
+    @property
+    def final(self) -> bool:
+        """Whether the last step is evaluated."""
+        return self.every > 0 if self.at_end is None else self.at_end
+
+
 class OutputConfig(StrictModel):
     """The ``output:`` section: where the run writes and what it reports."""
 
@@ -258,6 +298,8 @@ class RunConfig(StrictModel):
     dataset row gets them; a row asking for others is refused)."""
     dp: DPConfig = Field(default_factory=DPConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Validation while training (opt-in: ``every``, ``at_start`` or ``at_end``)."""
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="before")

@@ -55,6 +55,7 @@ __all__ = [
     "DatasetReader",
     "count_rows",
     "dataset_rows",
+    "generated_rows",
     "resume_dataset",
     "write_dataset",
     "write_run_dataset",
@@ -230,7 +231,7 @@ def write_dataset(
 
     def lines() -> Iterator[bytes]:
         nonlocal written
-        for row in _generated_rows(cfg, spec, n):
+        for row in generated_rows(cfg, spec, n, seed=cfg.seed):
             yield _row_line(cfg, row, f"{cfg.env.name} row {written}")
             written += 1
 
@@ -238,10 +239,11 @@ def write_dataset(
     return written, f"{cfg.env.name}, generated"
 
 
-def _generated_rows(cfg: RunConfig, spec: Any, n: int) -> Iterator[dict[str, Any]]:
-    """The environment generator's ``n`` rows as it yields them."""
+def generated_rows(cfg: RunConfig, spec: Any, n: int, *, seed: int) -> Iterator[dict[str, Any]]:
+    """The environment generator's ``n`` rows at ``seed`` as it yields them (the run's dataset at
+    ``cfg.seed``; validation rows at another seed)."""
     try:
-        yield from spec.generate(n, cfg.seed, **cfg.env.params)
+        yield from spec.generate(n, seed, **cfg.env.params)
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"env.params: {cfg.env.name} generator: {exc}"]) from exc
 

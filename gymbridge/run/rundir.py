@@ -120,6 +120,16 @@ class RunDir:
         return self.path / "failures.jsonl"
 
     @property
+    def eval_path(self) -> Path:
+        """``eval.jsonl``: one line per validation pass (:mod:`gymbridge.run.evaluation`)."""
+        return self.path / "eval.jsonl"
+
+    @property
+    def eval_dir(self) -> Path:
+        """``eval/``: ``step_<n>.jsonl``, the rollouts of the validation pass after step ``n``."""
+        return self.path / "eval"
+
+    @property
     def checkpoints_path(self) -> Path:
         return self.path / "checkpoints"
 
