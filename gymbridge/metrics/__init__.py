@@ -1,9 +1,11 @@
-"""Payload metrics (bytes crossing each named boundary, docs/design.md "Payload boundaries") and
-phase timers (seconds per named phase, docs/timing.md).
+"""Payload metrics (bytes crossing each named boundary, docs/design.md "Payload boundaries"),
+phase timers (seconds per named phase, docs/timing.md) and pass@k over grouped rollouts (NeMo
+Gym's definitions: pass@k, pass@1[avg-of-k], majority@k).
 
-See :mod:`.payload` and :mod:`.timing`. The names load lazily: :mod:`.timing` is torch-free and
-the agent and servers of the base install import it, while :mod:`.payload` measures tensors
-(``tests/packaging``: the base install imports without torch).
+See :mod:`.payload`, :mod:`.timing` and :mod:`.passk`. The names load lazily: :mod:`.timing` and
+:mod:`.passk` are torch-free (the agent, the servers and ``gymbridge collect`` of the base install
+import them), while :mod:`.payload` measures tensors (``tests/packaging``: the base install
+imports without torch).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from gymbridge.metrics.passk import headline, pass_majority_metrics, summary_lines
     from gymbridge.metrics.payload import (
         BOUNDARIES,
         BoundaryTotals,
@@ -29,6 +32,9 @@ _WHERE = {
     "payload_stats": "payload",
     "PhaseTimer": "timing",
     "timing_delta": "timing",
+    "headline": "passk",
+    "pass_majority_metrics": "passk",
+    "summary_lines": "passk",
 }
 
 __all__ = [
@@ -37,7 +43,10 @@ __all__ = [
     "PayloadMeter",
     "PayloadStats",
     "PhaseTimer",
+    "headline",
+    "pass_majority_metrics",
     "payload_stats",
+    "summary_lines",
     "timing_delta",
 ]
 

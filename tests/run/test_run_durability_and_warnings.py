@@ -243,6 +243,6 @@ def test_regression_collect_refuses_to_overwrite_earlier_results(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"--out .*results.jsonl holds earlier results; pass --overwrite"):
         collect("http://127.0.0.1:9", dataset, out, progress=False)
     assert out.read_bytes() == b'{"reward": 1.0}\n'
-    _check_paths(dataset, out, tmp_path / "results.failures.jsonl", overwrite=True)  # asked: allowed
+    _check_paths(dataset, out, tmp_path / "results.failures.jsonl", None, overwrite=True)  # asked: allowed
     (tmp_path / "empty.jsonl").touch()
-    _check_paths(dataset, tmp_path / "empty.jsonl", tmp_path / "empty.failures.jsonl", overwrite=False)
+    _check_paths(dataset, tmp_path / "empty.jsonl", tmp_path / "empty.failures.jsonl", None, overwrite=False)
