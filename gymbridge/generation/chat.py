@@ -25,10 +25,13 @@ Three jobs, one class (:class:`ChatCodec`) per tokenizer / processor:
    templated — so re-templating history (reasoning dropped, tool-call JSON
    re-serialised, whitespace normalised) never changes earlier tokens.
 3. **Parse** generated tokens (:meth:`ChatCodec.parse`) into reasoning
-   (``<think>...</think>``), function calls (Qwen/Hermes
-   ``<tool_call>{json}</tool_call>``) and message text. Markup that does not parse
-   (bad JSON, no ``name``) stays in the message text, visible to the trajectory
-   layer as an invalid tool call — never silently dropped.
+   (``<think>...</think>``), function calls and message text. The tool-call format
+   (:mod:`gymbridge.generation.tool_calls`: ``hermes`` ``<tool_call>{json}</tool_call>``,
+   ``qwen3_coder`` ``<tool_call><function=...>``) is the codec's ``tool_parser``
+   (``auto``: the one the chat template writes). Markup that does not parse (bad JSON,
+   no ``name``, an unclosed tag) stays in the message text, visible to the trajectory
+   layer as an invalid tool call, and is listed in ``ParsedOutput.unparsed_tool_calls``
+   (``tool_call_unparsed``) — never silently dropped.
 
 Splice rule. Let ``k`` be the latest assistant message with token fields and ``P``
 its ``prompt_token_ids + generation_token_ids``. ``upto`` is the template of
@@ -45,12 +48,18 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ProtocolError
+from gymbridge.generation.tool_calls import (
+    ToolCall,
+    UnparsedToolCall,
+    new_call_id,
+    resolve_tool_parser,
+    tool_call_format,
+)
 from gymbridge.protocol import media_ref_of_part, media_refs_of_tool_output, metadata_audio_refs
 
 if TYPE_CHECKING:
@@ -74,24 +83,10 @@ __all__ = [
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 _ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
 _THINK_BLOCK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 class TemplateSpliceError(ProtocolError):
     """The chat template's output cannot be split at the replayed assistant message."""
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCall:
-    """One function call. ``arguments`` is the JSON string the model produced (or was replayed)."""
-
-    call_id: str
-    name: str
-    arguments: str
 
 
 @dataclass(slots=True)
@@ -136,6 +131,8 @@ class ParsedOutput:
     reasoning: list[str]
     content: str
     tool_calls: list[ToolCall]
+    unparsed_tool_calls: list[UnparsedToolCall] = field(default_factory=list)
+    """Markup in ``content`` that looks like a tool call but does not parse (``tool_call_unparsed``)."""
 
 
 # --------------------------------------------------------------------------- normalisation
@@ -416,7 +413,7 @@ class ChatCodec:
         chat_template: str | None = None,
         end_of_turn: str | None = None,
         reasoning_parser: bool = True,
-        tool_parser: bool = True,
+        tool_parser: str | None = "auto",
     ) -> None:
         from gymbridge.families import end_of_turn_markers, family_of
 
@@ -433,7 +430,16 @@ class ChatCodec:
         self.end_of_turn: str = end_of_turn
         self.end_of_turn_id: int = int(vocab[end_of_turn])
         self.reasoning_parser = reasoning_parser
-        self.tool_parser = tool_parser
+        template = chat_template
+        if template is None:
+            template = getattr(processor, "chat_template", None) or getattr(
+                self.tokenizer, "chat_template", None
+            )
+        self.tool_parser: str | None = (
+            None if tool_parser is None else resolve_tool_parser(tool_parser, template)
+        )
+        """The tool-call format parsed (``hermes``, ``qwen3_coder``; ``auto`` resolved from the chat
+        template), or ``None``: tool calls stay in the text."""
         self._expansion_ok: dict[str, bool] = {}
         """Modality -> whether expanding its placeholders by count gave the processor's tokens."""
 
@@ -680,11 +686,15 @@ class ChatCodec:
             ids.pop()
         return str(self.tokenizer.decode(ids, skip_special_tokens=False))
 
-    def parse(self, token_ids: Sequence[int]) -> ParsedOutput:
-        """Split generated tokens into reasoning, message text and tool calls."""
-        return self.parse_text(self.decode(token_ids))
+    def parse(
+        self, token_ids: Sequence[int], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> ParsedOutput:
+        """Split generated tokens into reasoning, message text and tool calls.
 
-    def parse_text(self, text: str) -> ParsedOutput:
+        ``tools`` (the request's) type the parameters of a ``qwen3_coder`` call by their schema."""
+        return self.parse_text(self.decode(token_ids), tools)
+
+    def parse_text(self, text: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ParsedOutput:
         reasoning: list[str] = []
         if self.reasoning_parser:
             reasoning = _THINK_BLOCK.findall(text)
@@ -693,18 +703,15 @@ class ChatCodec:
                 # The template opened the think block in the generation prompt (Qwen3 style).
                 head, text = text.split("</think>", 1)
                 reasoning.insert(0, head)
-        calls: list[ToolCall] = []
-        if self.tool_parser:
-
-            def take(match: re.Match[str]) -> str:
-                call = _parse_tool_call(match.group(1))
-                if call is None:
-                    return match.group(0)
-                calls.append(call)
-                return ""
-
-            text = _TOOL_CALL_BLOCK.sub(take, text)
-        return ParsedOutput(reasoning=reasoning, content=text.strip() if calls else text, tool_calls=calls)
+        if self.tool_parser is None:
+            return ParsedOutput(reasoning=reasoning, content=text, tool_calls=[])
+        found = tool_call_format(self.tool_parser).parse(text, tools)
+        return ParsedOutput(
+            reasoning=reasoning,
+            content=found.content,
+            tool_calls=found.calls,
+            unparsed_tool_calls=found.unparsed,
+        )
 
 
 def _decode_image(item: MediaItem) -> Any:
@@ -725,14 +732,3 @@ def _json_or_str(arguments: str) -> Any:
     except ValueError:
         return arguments
     return value if isinstance(value, dict) else arguments
-
-
-def _parse_tool_call(body: str) -> ToolCall | None:
-    try:
-        obj = json.loads(body.strip())
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return ToolCall(call_id=new_call_id(), name=obj["name"], arguments=_arguments_str(args))

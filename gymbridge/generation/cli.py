@@ -6,6 +6,7 @@
     gymbridge model serve --tiny-omni [--seed S] ...      # image, video and audio
     gymbridge model serve --model tiny:gemma3 [--seed S] ...   # a tiny family (docs/models.md)
     gymbridge model serve --model PATH [--backend hf|vllm] [--host H] [--port P]
+    gymbridge model serve --model PATH --tool-parser qwen3_coder ...   # XML tool calls (Qwen3.5)
 
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
 weight group with the server and publishes each policy version (otherwise they answer 403);
@@ -13,7 +14,9 @@ weight group with the server and publishes each policy version (otherwise they a
 LoRA path on, for a LoRA trainer's adapters (docs/generation.md, "LoRA adapters on vLLM");
 ``--prompt-seed S`` seeds unseeded requests per prompt (``PromptSeededGenerator``), as the smoke
 launcher does in its own process; ``--suppress-token-id ID`` (repeated) adds ids never to sample to
-the model's media ids, as a trainer's ``suppress_token_ids`` asks (a run passes them).
+the model's media ids, as a trainer's ``suppress_token_ids`` asks (a run passes them);
+``--tool-parser auto|hermes|qwen3_coder`` names the tool-call format generations are parsed in
+(``auto``, the default: the one the chat template writes; docs/generation.md, "Tool-call formats").
 
 :func:`add_model_commands` adds the ``model`` group's subcommands to an
 ``argparse`` sub-parser (the CLI's dispatch table points at it);
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``model serve``."""
     from gymbridge.cli_common import DEFAULT_MODEL_PORT, add_address_arguments
+    from gymbridge.generation.tool_calls import TOOL_PARSERS
 
     p = sub.add_parser("serve", help="serve a generator as a NeMo Gym model server (training mode)")
     which = p.add_mutually_exclusive_group(required=True)
@@ -72,6 +76,13 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--no-reasoning-parser",
         action="store_true",
         help="leave <think> blocks in message content (for vllm_model with uses_reasoning_parser: false)",
+    )
+    p.add_argument(
+        "--tool-parser",
+        choices=TOOL_PARSERS,
+        default="auto",
+        help="tool-call format of the generations: hermes (<tool_call>{json}</tool_call>), qwen3_coder "
+        "(<tool_call><function=NAME><parameter=P>...), or auto (default: the one the chat template writes)",
     )
     p.add_argument(
         "--enable-weight-updates",
@@ -161,6 +172,7 @@ def build_generator(args: argparse.Namespace) -> Any:
     from gymbridge.models.tiny_families import parse_tiny_spec
 
     reasoning = not args.no_reasoning_parser
+    tool_parser = str(getattr(args, "tool_parser", "auto"))
     suppressed = tuple(getattr(args, "suppress_token_id", None) or ())
     lora_engine_args = _vllm_lora_args(args)
     tiny_omni = bool(getattr(args, "tiny_omni", False))
@@ -178,6 +190,7 @@ def build_generator(args: argparse.Namespace) -> Any:
             args.seed,
             max_model_len=args.max_model_len,
             reasoning_parser=reasoning,
+            tool_parser=tool_parser,
             suppress_token_ids=suppressed,
         )
     if args.tiny or tiny_omni:
@@ -188,6 +201,7 @@ def build_generator(args: argparse.Namespace) -> Any:
             args.seed,
             max_model_len=args.max_model_len,
             reasoning_parser=reasoning,
+            tool_parser=tool_parser,
             suppress_token_ids=suppressed,
         )
     if args.backend == "vllm":
@@ -198,6 +212,7 @@ def build_generator(args: argparse.Namespace) -> Any:
             engine_args=lora_engine_args or None,
             max_model_len=args.max_model_len,
             reasoning_parser=reasoning,
+            tool_parser=tool_parser,
             suppress_token_ids=suppressed,
         )
     from gymbridge.generation.hf import HFGenerator
@@ -206,6 +221,7 @@ def build_generator(args: argparse.Namespace) -> Any:
         args.model,
         max_model_len=args.max_model_len,
         reasoning_parser=reasoning,
+        tool_parser=tool_parser,
         suppress_token_ids=suppressed,
     )
 

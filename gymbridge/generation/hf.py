@@ -224,14 +224,22 @@ class HFGenerator:
         max_batch_size: int = 16,
         chat_template: str | None = None,
         reasoning_parser: bool = True,
+        tool_parser: str = "auto",
         model_name: str = "gymbridge-hf",
         suppress_token_ids: Sequence[int] | None = None,
     ) -> None:
-        """``suppress_token_ids``: extra ids never to sample, on top of the model's media ids."""
+        """``suppress_token_ids``: extra ids never to sample, on top of the model's media ids;
+        ``tool_parser``: the tool-call format (:mod:`gymbridge.generation.tool_calls`; ``auto``: the
+        chat template's)."""
         self.model = model
         self.processor = processor
         self.tokenizer: Any = getattr(processor, "tokenizer", processor)
-        self.codec = ChatCodec(processor, chat_template=chat_template, reasoning_parser=reasoning_parser)
+        self.codec = ChatCodec(
+            processor,
+            chat_template=chat_template,
+            reasoning_parser=reasoning_parser,
+            tool_parser=tool_parser,
+        )
         config = getattr(model.config, "text_config", model.config)
         limit: Any = max_model_len or getattr(config, "max_position_embeddings", 4096)
         self.max_model_len: int = int(limit)

@@ -14,6 +14,9 @@ Invariants:
   medium is fetched, decoded and processed once per content key (:class:`~gymbridge.media.cache.MediaCache`);
 * ``n`` must be 1; concurrent requests are batched into the generator (:class:`BatchingGenerator`,
   unless the backend batches itself), and a seeded request is never batched with another call;
+* each generation is parsed in the codec's tool-call format (:mod:`gymbridge.generation.tool_calls`)
+  with the request's tools; its calls are counted (``tool_calls_parsed``, ``tool_calls_unparsed``) and
+  markup that does not parse stays a plain message whose item says why (``tool_call_errors``);
 * bad input is a 4xx JSON error body ``{"object": "error", "message", "type", "param", "code"}``,
   logged, never a crash or a 5xx (docs/security.md); unexpected failures are a 500 of the same shape;
 * request preparation runs in the server's own bounded thread pools, off the event loop; media
@@ -45,11 +48,13 @@ from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import (
     ChatCodec,
     ChatMessage,
+    ParsedOutput,
     chat_to_messages,
     responses_to_messages,
     responses_tools_to_chat,
 )
 from gymbridge.generation.outputs import chat_message, response_items
+from gymbridge.generation.tool_calls import mark_unparsed
 from gymbridge.generation.types import ContextLengthError, Generation, Generator, SamplingConfig
 from gymbridge.limits import loads_json
 from gymbridge.media.cache import DEFAULT_MEDIA_CACHE_BYTES, MediaCache
@@ -232,6 +237,7 @@ class ModelServer:
         self._weight_syncs = 0
         self._last_sync_s = 0.0
         self._group_ready = False
+        self._warned_unparsed = False
         self._routes: dict[tuple[str, str], Handler] = {
             ("GET", "/"): self._health,
             ("GET", "/health"): self._health,
@@ -287,7 +293,12 @@ class ModelServer:
         addresses = runner.addresses
         bound = int(addresses[0][1]) if addresses else port
         self.url = f"http://{host}:{bound}"
-        logger.info("model server %s listening on %s", self.config.model_name, self.url)
+        logger.info(
+            "model server %s listening on %s (tool calls: %s)",
+            self.config.model_name,
+            self.url,
+            self.codec.tool_parser or "not parsed",
+        )
         return self.url
 
     async def stop(self) -> None:
@@ -494,6 +505,23 @@ class ModelServer:
         timer.count("generated_tokens", len(gen.token_ids))
         return gen
 
+    def _parse(self, gen: Generation, tools: list[dict[str, Any]]) -> ParsedOutput:
+        """The generation parsed; its tool calls counted (``tool_calls_parsed``, ``tool_calls_unparsed``)."""
+        parsed = self.codec.parse(gen.token_ids, tools)
+        self.timings.count("tool_calls_parsed", len(parsed.tool_calls))
+        self.timings.count("tool_calls_unparsed", len(parsed.unparsed_tool_calls))
+        if parsed.unparsed_tool_calls and not self._warned_unparsed:
+            self._warned_unparsed = True
+            first = parsed.unparsed_tool_calls[0]
+            logger.warning(
+                "a generation holds a tool call that does not parse as %s (%s): it stays a plain message "
+                "(tool_call_unparsed, counted in /counters as tool_calls_unparsed; logged once): %r",
+                first.format,
+                first.reason,
+                first.as_json()["markup"],
+            )
+        return parsed
+
     def counters(self) -> dict[str, float]:
         """The server's counters now (module docstring, "Counters"): every value only grows."""
         return self.timings.snapshot()
@@ -549,9 +577,10 @@ class ModelServer:
         if body.get("n") not in (None, 1):
             raise _BadRequest("n must be 1: this server returns one choice with its token ids")
         self._sampling(body, 0, _int_or_none(body, "max_completion_tokens", "max_tokens"))  # 400s first
+        tools = _chat_tools(body)
         inp = await self._prepare(
             lambda: chat_to_messages(body.get("messages"), loader=self._load_media),
-            _chat_tools(body),
+            tools,
             _template_kwargs(body),
         )
         prompt = inp.prompt_token_ids
@@ -559,12 +588,15 @@ class ModelServer:
             body, len(prompt), _int_or_none(body, "max_completion_tokens", "max_tokens")
         )
         gen = await self._generate(inp, sampling)
-        parsed = self.codec.parse(gen.token_ids)
+        parsed = self._parse(gen, tools)
         as_ids = bool(body.get("return_tokens_as_token_ids", True))
         finish = "tool_calls" if parsed.tool_calls and gen.finish_reason == "stop" else gen.finish_reason
+        message = chat_message(parsed, reasoning_field=self.config.reasoning_parser)
+        if parsed.unparsed_tool_calls:
+            message["tool_call_errors"] = [u.as_json() for u in parsed.unparsed_tool_calls]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": chat_message(parsed, reasoning_field=self.config.reasoning_parser),
+            "message": message,
             "logprobs": None,
             "finish_reason": finish,
             "stop_reason": None,
@@ -645,7 +677,9 @@ class ModelServer:
                 }
             )
         gen = await self._generate(inp, sampling)
-        items = response_items(self.codec.parse(gen.token_ids), gen, prompt)
+        parsed = self._parse(gen, tools)
+        items = response_items(parsed, gen, prompt)
+        mark_unparsed(items, parsed.unparsed_tool_calls)
         incomplete = gen.finish_reason == "length"
         return _json(
             base

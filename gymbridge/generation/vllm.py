@@ -379,7 +379,8 @@ class VLLMGenerator:
     ``model`` and ``engine_args`` (``AsyncEngineArgs`` keywords). ``codec`` (the
     :class:`ChatCodec` the model server and native rollouts need) is built from
     ``processor``, else from the processor saved with ``model`` unless
-    ``load_processor=False``.
+    ``load_processor=False``; it parses tool calls in ``tool_parser``'s format
+    (:mod:`gymbridge.generation.tool_calls`; ``auto``: the one the chat template writes).
     """
 
     continuous_batching = True
@@ -395,6 +396,7 @@ class VLLMGenerator:
         processor: Any | None = None,
         load_processor: bool = True,
         reasoning_parser: bool = True,
+        tool_parser: str = "auto",
         suppress_token_ids: Sequence[int] | None = None,
     ) -> None:
         self.model_name = model
@@ -454,7 +456,7 @@ class VLLMGenerator:
             from gymbridge.generation.chat import ChatCodec
             from gymbridge.tensors.processor import sub_processors
 
-            self.codec = ChatCodec(processor, reasoning_parser=reasoning_parser)
+            self.codec = ChatCodec(processor, reasoning_parser=reasoning_parser, tool_parser=tool_parser)
             rate = getattr(sub_processors(processor).get("audio"), "sampling_rate", None)
             self.audio_sampling_rate = int(rate) if isinstance(rate, int | float) and rate > 0 else None
 

@@ -48,6 +48,7 @@ from gymbridge.faults import env_fault, status_fault_kind
 from gymbridge.generation.batching import BatchingGenerator, needs_batching
 from gymbridge.generation.chat import ChatCodec, responses_to_messages, responses_tools_to_chat
 from gymbridge.generation.outputs import response_items
+from gymbridge.generation.tool_calls import mark_unparsed
 from gymbridge.generation.types import ContextLengthError, Generator, SamplingConfig
 from gymbridge.limits import check_json_depth, loads_json
 from gymbridge.server._base import ERROR_HEADER, SESSION_LOST
@@ -196,7 +197,9 @@ class NativeModel:
         self.history.append(gen.token_ids)
         if self._stale is not None:
             self._stale.append(gen.token_ids)
-        items_out = response_items(self.codec.parse(gen.token_ids), gen, prompt)
+        parsed = self.codec.parse(gen.token_ids, tools)
+        items_out = response_items(parsed, gen, prompt)
+        mark_unparsed(items_out, parsed.unparsed_tool_calls)
         incomplete = gen.finish_reason == "length"
         usage = {"input_tokens": len(prompt), "output_tokens": len(gen.token_ids)}
         usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]

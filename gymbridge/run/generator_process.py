@@ -109,8 +109,10 @@ def tiny_server_command(
     model_flag: str | Sequence[str] = "--tiny",
     port: int = 0,
     media_hosts: tuple[str, ...] = (),
+    tool_parser: str = "auto",
 ) -> list[str]:
-    """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child."""
+    """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child
+    (``tool_parser`` other than ``auto`` becomes ``--tool-parser``)."""
     cmd = [
         sys.executable,
         "-m",
@@ -134,6 +136,8 @@ def tiny_server_command(
         cmd.append("--enable-weight-updates")
     for entry in media_hosts:
         cmd += ["--media-host", entry]
+    if tool_parser != "auto":
+        cmd += ["--tool-parser", tool_parser]
     return cmd
 
 

@@ -16,12 +16,13 @@ every optimizer step:
   a generator object in this process.
 
 ``publish_weights: false`` leaves the generator at the step-0 weights, to show what a missing
-weight sync does (the trainer's drift guard fails the run). ``suppress_token_ids`` (the trainer's
-``trainer.suppress_token_ids``) reaches either generator, so it samples from the distribution the
-trainer scores: temperature and top-p travel with every request (the dataset rows carry the
-trainer's), the mask is the generator's own. Every resource is registered on
-the caller's exit stack as soon as it exists, so the child process and the servers are
-stopped whatever happens.
+weight sync does (the trainer's drift guard fails the run). ``tool_parser`` (the tool-call format)
+reaches either generator's chat codec (the child's as ``--tool-parser``). ``suppress_token_ids``
+(the trainer's ``trainer.suppress_token_ids``) reaches either generator, so it samples from the
+distribution the trainer scores: temperature and top-p travel with every request (the dataset rows
+carry the trainer's), the mask is the generator's own. Every resource is registered on the
+caller's exit stack as soon as it exists, so the child process and the servers are stopped
+whatever happens.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pydantic import Field
 
 from gymbridge.config import StrictModel
 from gymbridge.errors import ConfigError
+from gymbridge.generation.tool_calls import ToolParserName
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,10 @@ class GeneratorConfig(StrictModel):
     """How long the child model server may take to print its ``serving on`` line (``process``)."""
     port: int = Field(0, ge=0, le=65535)
     """The model server's port (0: a free one); an agent of your own (``env.agent_url``) calls it there."""
+    tool_parser: ToolParserName = "auto"
+    """The tool-call format generations are parsed in: ``hermes`` (``<tool_call>{json}</tool_call>``),
+    ``qwen3_coder`` (``<tool_call><function=NAME><parameter=P>...``, Qwen3-Coder / Qwen3.5), or
+    ``auto``: the one the model's chat template writes (:mod:`gymbridge.generation.tool_calls`)."""
 
 
 @dataclass
@@ -149,6 +155,7 @@ async def start_generator(
         max_model_len=max_model_len,
         model_name=model_name,
         suppress_token_ids=extra_suppressed,
+        tool_parser=cfg.tool_parser,
     )
     publisher = InProcessPublisher(generator) if cfg.publish_weights else None
     url: str | None = None
@@ -204,6 +211,7 @@ async def _start_process(
         model_flag=serve_flag,
         port=port,
         media_hosts=media_hosts,
+        tool_parser=cfg.tool_parser,
     )
     for token_id in suppress_token_ids:
         command += ["--suppress-token-id", str(token_id)]

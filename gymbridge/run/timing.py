@@ -35,7 +35,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ENV_PHASES", "PHASES", "CounterSource", "StepCounters", "median_split", "split_step"]
+__all__ = [
+    "ENV_PHASES",
+    "GENERATOR_COUNTERS",
+    "PHASES",
+    "CounterSource",
+    "StepCounters",
+    "generator_keys",
+    "median_split",
+    "split_step",
+]
 
 ENV_PHASES = ("env_seed", "env_tool", "env_step", "env_verify", "env_other")
 """The agent's environment phases (``SimpleAgent`` counters), in attribution order."""
@@ -54,6 +63,18 @@ PHASES = (
     "other",
 )
 """Every phase of :func:`split_step`, in the order charts and the console show them."""
+
+GENERATOR_COUNTERS = ("tool_calls_parsed", "tool_calls_unparsed")
+"""Model-server counters a step's record carries as ``generator/<name>`` (:func:`generator_keys`):
+tool calls that parsed, and markup that looked like a tool call but did not (``tool_call_unparsed``,
+:mod:`gymbridge.generation.tool_calls`)."""
+
+
+def generator_keys(model: Mapping[str, float]) -> dict[str, float]:
+    """``generator/<name>`` for each of :data:`GENERATOR_COUNTERS` in ``model`` (the model server
+    counters' delta over the step). A key is absent where no model server counts it (native
+    rollouts, a model server of another kind), never reported as 0."""
+    return {f"generator/{name}": float(model[name]) for name in GENERATOR_COUNTERS if name in model}
 
 
 def split_step(

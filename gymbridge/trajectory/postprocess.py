@@ -62,7 +62,7 @@ REWARD_SUM_TOLERANCE = 1e-6
 
 _TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _TURN_KINDS: frozenset[str] = frozenset(("message", "reasoning", "function_call"))
-_TOOL_CALL_MARKUP = ("<tool_call>", "</tool_call>")
+_TOOL_CALL_MARKUP = ("<tool_call>", "</tool_call>", "<function=")
 _THINK_MARKUP = ("<think>", "</think>")
 
 

@@ -77,3 +77,69 @@ def max_logprob_diff(tiny: Any, traj: Trajectory, sampling: SamplingConfig, segm
     diffs = [abs(g - r) for g, r, m in zip(got, ref, mask, strict=True) if m]
     assert diffs, "the segment has no generated tokens"
     return max(diffs)
+
+
+# A Qwen3.5-style chat template for the tiny Qwen tokenizer: tool calls in the XML form
+# (<tool_call><function=NAME><parameter=P>VALUE</parameter></function></tool_call>, values written
+# as the Qwen3.5 templates write them: strings as they are, arrays / objects as JSON, other scalars
+# through Jinja's ``string``), the tools listed as JSON in the system turn. Written for the tests.
+_XML_TOOLS_RAW_TEMPLATE = (
+    "{% if tools %}"
+    "<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou have access to the following functions:\n\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "To call a function, reply in this form:\n<tool_call>\n<function=example_function_name>\n"
+    "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and loop.first and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is not none %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% set call = tool_call['function'] if tool_call['function'] is defined else tool_call %}"
+    "{% if not loop.first %}\n{% elif message['content'] %}\n\n{% endif %}"
+    "<tool_call>\n<function={{ call['name'] }}>\n"
+    "{% if call['arguments'] is mapping %}{% for name, value in call['arguments'] | items %}"
+    "<parameter={{ name }}>\n"
+    "{% if value is mapping or (value is sequence and value is not string) %}{{ value | tojson }}"
+    "{% else %}{{ value | string }}{% endif %}"
+    "\n</parameter>\n{% endfor %}{% endif %}"
+    "</function>\n</tool_call>"
+    "{% endfor %}{% endif %}"
+    "<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+XML_TOOLS_CHAT_TEMPLATE = _XML_TOOLS_RAW_TEMPLATE.replace("%}\n", "%}{{ '\\n' }}")
+"""The XML-tools template (transformers renders with ``trim_blocks``: a newline after a tag is spelt out)."""
+
+
+def xml_tools_generator(tiny: Any) -> Any:
+    """An ``HFGenerator`` over the tiny Qwen2-VL whose chat template writes XML tool calls (qwen3_coder)."""
+    from gymbridge.generation.hf import HFGenerator
+
+    return HFGenerator(
+        tiny.model, tiny.processor, chat_template=XML_TOOLS_CHAT_TEMPLATE, model_name="tiny-xml"
+    )
+
+
+def call_tokens(gen: Any, text: str) -> list[int]:
+    """The tokens of ``text`` as a generation of ``gen`` (its codec's tokenizer) ended by end-of-turn."""
+    ids = gen.codec.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in ids] + [gen.codec.end_of_turn_id]
