@@ -23,7 +23,11 @@ Invariants:
   group more than ``k`` versions behind :attr:`BridgeIterator.policy_version` is dropped as
   ``stale`` (or, with ``drop_stale=False`` on-policy, handed on for the drift guard to fail);
 * :attr:`BridgeIterator.done_task_indices` is the resumable position; ``skip_task_indices`` are
-  never started again; rows are never mutated.
+  never started again; rows are never mutated;
+* a row naming its environment (``agent_ref``: :func:`~gymbridge.client.env_of_row`) makes a group
+  of that environment (:attr:`GroupResult.env`; a group is one row's, so never of two), its
+  failure records carry ``env``, and :class:`BridgeStats` / :class:`BridgeBatch` count its
+  rollouts per environment.
 
 Dynamic sampling, the failure records and the statistics in detail: docs/bridge.md ("Library
 API") and docs/grpo.md ("Dynamic sampling"); staleness and resume: docs/loop.md.
@@ -45,6 +49,7 @@ import orjson
 
 from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
+from gymbridge.client import env_of_row
 from gymbridge.errors import BridgeStalledError, TrajectoryError
 from gymbridge.rowset import RowSet
 from gymbridge.tensors.batch import BATCH_ADVANTAGE_MODES
@@ -98,6 +103,16 @@ class BridgeStats:
     not in ``rollouts_failed``: stopping a run that works ahead is not a failure)."""
     batches: int = 0
     failure_classes: dict[str, int] = field(default_factory=dict)
+    env_rollouts_ok: dict[str, int] = field(default_factory=dict)
+    """``rollouts_ok`` per environment (rows that name one, ``agent_ref``)."""
+    env_rollouts_failed: dict[str, int] = field(default_factory=dict)
+    """``rollouts_failed`` per environment (rows that name one, ``agent_ref``)."""
+
+    def count_ok(self, env: str | None, delta: int = 1) -> None:
+        """Count ``delta`` successful rollouts (of ``env``'s row, when it names one)."""
+        self.rollouts_ok += delta
+        if env is not None:
+            self.env_rollouts_ok[env] = self.env_rollouts_ok.get(env, 0) + delta
 
     def as_dict(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else v) for k, v in self.__dict__.items()}
@@ -123,6 +138,8 @@ class GroupResult:
     """Seconds spent turning the group's results into trajectories (on the event loop)."""
     build_s: float = 0.0
     """Seconds spent building the group's batch: media processing, dedup, advantages (on the loop)."""
+    env: str | None = None
+    """The environment the group's row names (``agent_ref``); ``None``: it names none."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +185,10 @@ class BridgeBatch:
     """Rollouts that failed while this batch was assembled (each recorded)."""
     timings: BatchTimings = field(default_factory=BatchTimings)
     """Where the bridge's time went for this batch (:class:`BatchTimings`)."""
+    env_rollouts_ok: dict[str, int] = field(default_factory=dict)
+    """``rollouts_ok`` per environment, for every environment the iterator has run so far (0 included)."""
+    env_rollouts_failed: dict[str, int] = field(default_factory=dict)
+    """``rollouts_failed`` per environment, for every environment the iterator has run so far."""
 
     @property
     def task_indices(self) -> list[int]:
@@ -204,6 +225,18 @@ def read_rows(source: str | Path | Iterable[Mapping[str, Any]]) -> Iterator[Mapp
 def zero_variance(group: GroupResult) -> bool:
     """Whether ``group``'s trainable rollouts (not ``mask_sample``) all have the same reward."""
     return len({t.reward for t in group.trajectories if not t.mask_sample}) <= 1
+
+
+def _with_env(record: dict[str, Any], env: str | None) -> dict[str, Any]:
+    """``record`` with ``env`` (the row's environment) when there is one."""
+    if env is not None:
+        record["env"] = env
+    return record
+
+
+def _delta(after: Mapping[str, int], before: Mapping[str, int], other: Mapping[str, int]) -> dict[str, int]:
+    """``after - before`` per environment, 0 for every environment of ``after`` or ``other`` (run so far)."""
+    return {env: after.get(env, 0) - before.get(env, 0) for env in sorted({*after, *other})}
 
 
 def _rollout_of(traj: Trajectory) -> int:
@@ -276,6 +309,8 @@ class BridgeIterator:
         self._exhausted = False
         self._pending: collections.deque[asyncio.Task[GroupResult]] = collections.deque()
         self._task_index: dict[asyncio.Task[GroupResult], int] = {}
+        self._task_env: dict[asyncio.Task[GroupResult], str | None] = {}
+        """The environment each pending group's row names (its failure records name it if it stops)."""
         self._consecutive_failed = 0
         self._failures_file: IO[bytes] | None = None
         self._closed = False
@@ -284,7 +319,9 @@ class BridgeIterator:
     failures_held = 1024
     """With ``failures_path``, :attr:`failures` keeps between this many and twice this many records."""
 
-    def _record(self, record: dict[str, Any]) -> None:
+    def _record(self, record: dict[str, Any], *, env: str | None = None) -> None:
+        """Keep (and write) one failure record, naming environment ``env`` when the row names one."""
+        _with_env(record, env)
         self.failures.append(record)
         if self.failures_path is not None:
             if len(self.failures) > 2 * self.failures_held:  # streamed to the file: keep the newest
@@ -304,13 +341,18 @@ class BridgeIterator:
         attempts: int,
         *,
         cancelled: bool = False,
+        env: str | None = None,
     ) -> dict[str, Any]:
-        """Record one rollout that is not trained (``cancelled``: stopped in flight, not a failure)."""
+        """Record one rollout that is not trained (``cancelled``: stopped in flight, not a failure) of
+        a row of environment ``env`` (``None``: the row names none)."""
         if cancelled:
             self.stats.rollouts_cancelled += 1
         else:
             self.stats.rollouts_failed += 1
             self.stats.failure_classes[cls] = self.stats.failure_classes.get(cls, 0) + 1
+            if env is not None:
+                failed = self.stats.env_rollouts_failed
+                failed[env] = failed.get(env, 0) + 1
         record = {
             "kind": "rollout",
             "task_index": task_index,
@@ -320,11 +362,11 @@ class BridgeIterator:
             "attempts": attempts,
             "time": time.time(),
         }
-        self._record(record)
+        self._record(record, env=env)
         return record
 
     # ------------------------------------------------------------------ one group
-    def _postprocess(self, rec: RolloutRecord) -> Trajectory | dict[str, Any]:
+    def _postprocess(self, rec: RolloutRecord, env: str | None = None) -> Trajectory | dict[str, Any]:
         from gymbridge.trajectory import from_gym_result
 
         if rec.result is None:
@@ -334,6 +376,7 @@ class BridgeIterator:
                 rec.failure_class or "unknown",
                 rec.failure_reason or "",
                 rec.attempts,
+                env=env,
             )
         try:
             traj = from_gym_result(
@@ -349,7 +392,7 @@ class BridgeIterator:
                 else ""
             )
             return self._rollout_failure(
-                rec.task_index, rec.rollout_index, type(exc).__name__, f"{exc}{where}", rec.attempts
+                rec.task_index, rec.rollout_index, type(exc).__name__, f"{exc}{where}", rec.attempts, env=env
             )
         if traj.task_index is None or traj.rollout_index is None:
             traj = replace(
@@ -367,6 +410,7 @@ class BridgeIterator:
                     "RewardFnError",
                     f"{type(exc).__name__}: {exc}",
                     rec.attempts,
+                    env=env,
                 )
             if not math.isfinite(shaped):
                 return self._rollout_failure(
@@ -375,6 +419,7 @@ class BridgeIterator:
                     "RewardFnError",
                     f"reward_fn returned {shaped}",
                     rec.attempts,
+                    env=env,
                 )
             components = (
                 {**traj.reward_components, "shaping": shaped - traj.reward} if traj.reward_components else {}
@@ -388,9 +433,9 @@ class BridgeIterator:
         bad = self._generated_placeholder(traj)
         if bad is not None:
             return self._rollout_failure(
-                rec.task_index, rec.rollout_index, "GeneratedPlaceholderToken", bad, rec.attempts
+                rec.task_index, rec.rollout_index, "GeneratedPlaceholderToken", bad, rec.attempts, env=env
             )
-        self.stats.rollouts_ok += 1
+        self.stats.count_ok(env)
         if traj.mask_sample:
             self.stats.rollouts_masked += 1
         return traj
@@ -420,6 +465,7 @@ class BridgeIterator:
         failures: list[dict[str, Any]] = []
         trajs: list[Trajectory] = []
         rollouts_s = postprocess_s = 0.0
+        env = None if isinstance(row, Exception) else env_of_row(row)
         if isinstance(row, Exception):
             for i in range(self.config.group_size):
                 failures.append(self._rollout_failure(task_index, i, "bad_row", str(row), 0))
@@ -446,7 +492,7 @@ class BridgeIterator:
             rolled = time.perf_counter()
             rollouts_s = time.monotonic() - started
             for rec in records:
-                out = self._postprocess(rec)
+                out = self._postprocess(rec, env)
                 if isinstance(out, dict):
                     failures.append(out)
                 else:
@@ -468,12 +514,17 @@ class BridgeIterator:
                     try:
                         self._build([traj])
                     except Exception as one:
-                        self.stats.rollouts_ok -= 1
+                        self.stats.count_ok(env, -1)
                         if traj.mask_sample:
                             self.stats.rollouts_masked -= 1
                         failures.append(
                             self._rollout_failure(
-                                task_index, _rollout_of(traj), type(one).__name__, str(one), attempts=0
+                                task_index,
+                                _rollout_of(traj),
+                                type(one).__name__,
+                                str(one),
+                                attempts=0,
+                                env=env,
                             )
                         )
                     else:
@@ -504,7 +555,7 @@ class BridgeIterator:
                 "dropped_rollouts": [_rollout_of(t) for t in trajs],
                 "time": time.time(),
             }
-            self._record(record)
+            self._record(record, env=env)
             failures.append(record)
         return GroupResult(
             task_index,
@@ -517,6 +568,7 @@ class BridgeIterator:
             rollouts_s=rollouts_s,
             postprocess_s=postprocess_s,
             build_s=time.perf_counter() - building,
+            env=env,
         )
 
     def _build(self, trajs: list[Trajectory]) -> TrainBatch:
@@ -543,6 +595,7 @@ class BridgeIterator:
             self.stats.prompts_started += 1
             task = asyncio.ensure_future(self._run_group(task_index, row, self.policy_version))
             self._task_index[task] = task_index
+            self._task_env[task] = None if isinstance(row, Exception) else env_of_row(row)
             self._pending.append(task)
 
     @property
@@ -565,7 +618,7 @@ class BridgeIterator:
         for traj in group.trajectories:
             version = _oldest_version(traj)
             oldest = group.started_version if version is None else version
-            self.stats.rollouts_ok -= 1
+            self.stats.count_ok(group.env, -1)
             if traj.mask_sample:
                 self.stats.rollouts_masked -= 1
             self._rollout_failure(
@@ -575,6 +628,7 @@ class BridgeIterator:
                 f"oldest policy version {oldest}, trainer at {self.policy_version}: "
                 f"{self.policy_version - oldest} > max_staleness {k}",
                 attempts=0,
+                env=group.env,
             )
         logger.warning(
             "group of task %d dropped: %d policy versions old (max_staleness %d)",
@@ -597,7 +651,8 @@ class BridgeIterator:
                 "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
                 "staleness": group.staleness,
                 "time": time.time(),
-            }
+            },
+            env=group.env,
         )
 
     def __aiter__(self) -> AsyncIterator[TrainBatch]:
@@ -619,6 +674,8 @@ class BridgeIterator:
             raise StopAsyncIteration
         asked = time.perf_counter()
         ok_before, failed_before = self.stats.rollouts_ok, self.stats.rollouts_failed
+        env_ok_before = dict(self.stats.env_rollouts_ok)
+        env_failed_before = dict(self.stats.env_rollouts_failed)
         groups: list[GroupResult] = []
         consumed: list[GroupResult] = []
         dropped_stale: list[GroupResult] = []
@@ -638,11 +695,12 @@ class BridgeIterator:
             try:
                 result = await task
             except BaseException as exc:  # cancelled, or the group's task raised: recorded, not lost
-                self._record_stopped(task, self._task_index.get(task, -1))
+                self._record_stopped(task, self._task_index.get(task, -1), self._task_env.get(task))
                 self._abandon(groups, exc)
                 raise
             finally:
                 self._task_index.pop(task, None)
+                self._task_env.pop(task, None)
             consumed.append(result)
             self.done_task_indices.add(result.task_index)
             if result.batch is not None:
@@ -730,6 +788,10 @@ class BridgeIterator:
             rollouts_ok=self.stats.rollouts_ok - ok_before,
             rollouts_failed=self.stats.rollouts_failed - failed_before,
             timings=timings,
+            env_rollouts_ok=_delta(self.stats.env_rollouts_ok, env_ok_before, self.stats.env_rollouts_failed),
+            env_rollouts_failed=_delta(
+                self.stats.env_rollouts_failed, env_failed_before, self.stats.env_rollouts_ok
+            ),
         )
 
     def _drop_zero_variance(self, group: GroupResult) -> None:
@@ -752,7 +814,8 @@ class BridgeIterator:
                 "rollout_failure_classes": {},
                 "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
                 "time": time.time(),
-            }
+            },
+            env=group.env,
         )
 
     def _drop_group(
@@ -787,7 +850,8 @@ class BridgeIterator:
                 "rollout_failure_classes": {},
                 "dropped_rollouts": [_rollout_of(t) for t in group.trajectories],
                 "time": time.time(),
-            }
+            },
+            env=group.env,
         )
 
     def _abandon(self, groups: list[GroupResult], exc: BaseException) -> None:
@@ -799,7 +863,9 @@ class BridgeIterator:
         for done in groups:
             self._drop_group(done, "bridge_stopped", reason)
 
-    def _record_stopped(self, task: asyncio.Task[GroupResult], task_index: int) -> None:
+    def _record_stopped(
+        self, task: asyncio.Task[GroupResult], task_index: int, env: str | None = None
+    ) -> None:
         """The records of a prompt still pending when the iterator stops: every started rollout ends
         in a batch or a record. A group that finished meanwhile keeps its own outcome; each rollout
         of a group cancelled in flight is a rollout record of class ``cancelled`` (of the exception's
@@ -820,7 +886,9 @@ class BridgeIterator:
         else:
             cls, reason = type(error).__name__, f"the group's task raised {type(error).__name__}: {error}"
         for rollout_index in range(self.config.group_size):
-            self._rollout_failure(task_index, rollout_index, cls, reason, attempts=0, cancelled=error is None)
+            self._rollout_failure(
+                task_index, rollout_index, cls, reason, attempts=0, cancelled=error is None, env=env
+            )
         self._record(
             {
                 "kind": "group",
@@ -832,7 +900,8 @@ class BridgeIterator:
                 "rollout_failure_classes": {cls: self.config.group_size},
                 "dropped_rollouts": [],
                 "time": time.time(),
-            }
+            },
+            env=env,
         )
 
     def _assemble(self, groups: list[GroupResult]) -> tuple[TrainBatch, list[GroupResult]]:
@@ -879,7 +948,7 @@ class BridgeIterator:
         if pending:
             await asyncio.gather(*pending, return_exceptions=True)
         for task in pending:
-            self._record_stopped(task, self._task_index.pop(task, -1))
+            self._record_stopped(task, self._task_index.pop(task, -1), self._task_env.pop(task, None))
         if self._failures_file is not None:
             self._failures_file.close()
             self._failures_file = None

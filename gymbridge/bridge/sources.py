@@ -13,6 +13,11 @@ exception). Two sources ship:
   :class:`~gymbridge.generation.Generator` and an environment server directly, the G
   rollouts of a prompt concurrent and their model calls batched.
 
+:class:`RoutedRollouts` sends each row to the source of the environment it names (``agent_ref``,
+:func:`~gymbridge.client.env_of_row`): several environments in one run on the native path (one
+:class:`NativeRollouts` per environment server; the Gym path routes in the
+:class:`~gymbridge.client.GymClient` instead).
+
 Both return the ``/run`` result shape, so one postprocessor serves both. Payload metrics
 (``prompt_repeat``, ``gym_request``, ``gym_return``) are recorded when a meter is given.
 
@@ -24,12 +29,14 @@ made, so every ``/run`` request carries ~100-byte references instead of base64 c
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from gymbridge.client import env_of_row
 from gymbridge.errors import GymbridgeError
 from gymbridge.generation.seeding import rollout_seed
 
@@ -42,7 +49,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GymRollouts", "NativeRollouts", "RolloutRecord", "RolloutSource", "indexed_rows"]
+__all__ = [
+    "GymRollouts",
+    "NativeRollouts",
+    "RolloutRecord",
+    "RolloutSource",
+    "RoutedRollouts",
+    "indexed_rows",
+    "unmetered",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +79,19 @@ class RolloutRecord:
     @property
     def ok(self) -> bool:
         return self.result is not None
+
+
+def _unmetered(source: Any) -> Any:
+    """A shallow copy of ``source`` without its payload meter (its client or generator shared)."""
+    twin = copy.copy(source)
+    twin.meter = None
+    return twin
+
+
+def unmetered(source: RolloutSource) -> RolloutSource:
+    """``source`` without payload measurement when it has a meter (its ``unmetered()``), else itself."""
+    make = getattr(source, "unmetered", None)
+    return make() if callable(make) else source
 
 
 class RolloutSource(Protocol):
@@ -134,6 +162,12 @@ class GymRollouts:
                     )
                 )
         return records
+
+    def unmetered(self) -> GymRollouts:
+        """The same source, measuring nothing: validation's rollouts stay out of the payload table (the
+        client, or the generator, is shared; close only the original)."""
+        out: GymRollouts = _unmetered(self)
+        return out
 
     async def aclose(self) -> None:
         """The client belongs to the caller: it is not closed here."""
@@ -240,6 +274,48 @@ class NativeRollouts:
             self.meter.record("prompt_repeat", rows)
         return list(await asyncio.gather(*(self._one(r, task_index, i) for i, r in enumerate(rows))))
 
+    def unmetered(self) -> NativeRollouts:
+        """The same source, measuring nothing: validation's rollouts stay out of the payload table (the
+        client, or the generator, is shared; close only the original)."""
+        out: NativeRollouts = _unmetered(self)
+        return out
+
     async def aclose(self) -> None:
         if self._owned:
             await self.generator.aclose()
+
+
+class RoutedRollouts:
+    """Each row's rollouts from the source of the environment its ``agent_ref`` names.
+
+    ``routes``: environment name -> its source. A row naming no environment, or one not in
+    ``routes``, is ``group_size`` failure records of class ``unroutable`` (data, as any bad row);
+    :meth:`aclose` closes every route's source.
+    """
+
+    def __init__(self, routes: Mapping[str, RolloutSource]) -> None:
+        if not routes:
+            raise ValueError("routes: give at least one environment's source")
+        self.routes = dict(routes)
+
+    async def rollouts(
+        self, row: Mapping[str, Any], *, task_index: int, group_size: int
+    ) -> list[RolloutRecord]:
+        env = env_of_row(row)
+        source = self.routes.get(env) if env is not None else None
+        if source is None:
+            named = "no environment (agent_ref)" if env is None else f"environment {env!r}"
+            reason = f"the row names {named}; this run's are {sorted(self.routes)}"
+            return [
+                RolloutRecord(task_index, i, failure_class="unroutable", failure_reason=reason)
+                for i in range(group_size)
+            ]
+        return await source.rollouts(row, task_index=task_index, group_size=group_size)
+
+    def unmetered(self) -> RoutedRollouts:
+        """The same routes, measuring nothing (:meth:`GymRollouts.unmetered`)."""
+        return RoutedRollouts({env: unmetered(source) for env, source in self.routes.items()})
+
+    async def aclose(self) -> None:
+        for source in self.routes.values():
+            await source.aclose()

@@ -51,7 +51,7 @@ import httpx
 import orjson
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
-from gymbridge.client._discovery import parse_global_config, server_urls
+from gymbridge.client._discovery import env_of_row, parse_global_config, server_urls
 from gymbridge.client._outcome import FailureKind, RolloutOutcome
 from gymbridge.errors import (
     EnvError,
@@ -157,11 +157,13 @@ class _Reply:
 
 
 class GymClient:
-    """Async client for NeMo Gym agents (``POST /run``), direct or via a head server.
+    """Async client for NeMo Gym agents (``POST /run``): one agent, a head server's, or a map of your own.
 
-    Use as an async context manager (or call :meth:`aclose`). ``transport``
-    lets tests plug in ``httpx.MockTransport`` / ``httpx.ASGITransport`` (the module docstring
-    says which HTTP library carries what).
+    Give exactly one of ``agent_url`` (every row goes there), ``head_url`` (a row goes to the agent
+    its ``agent_ref`` names, as the head server lists them) or ``agents`` (``{name: URL}``: the
+    same routing over agents you started yourself, no head server). Use as an async context
+    manager (or call :meth:`aclose`). ``transport`` lets tests plug in ``httpx.MockTransport`` /
+    ``httpx.ASGITransport`` (the module docstring says which HTTP library carries what).
     """
 
     def __init__(
@@ -169,6 +171,7 @@ class GymClient:
         agent_url: str | None = None,
         *,
         head_url: str | None = None,
+        agents: Mapping[str, str] | None = None,
         deadline_s: float = 900.0,
         connect_timeout_s: float = 10.0,
         max_attempts: int = 3,
@@ -177,8 +180,12 @@ class GymClient:
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        if (agent_url is None) == (head_url is None):
-            raise ValueError("give exactly one of agent_url (direct) or head_url (discovery)")
+        if sum(x is not None for x in (agent_url, head_url, agents)) != 1:
+            raise ValueError(
+                "give exactly one of agent_url (direct), head_url (discovery) or agents (name -> URL)"
+            )
+        if agents is not None and not agents:
+            raise ValueError("agents: give at least one agent (name -> URL)")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if deadline_s <= 0:
@@ -213,7 +220,10 @@ class GymClient:
             for _ in range(shards)
         ]
         self._http = self._pool[0]
-        self._agents: dict[str, str] | None = None
+        self._agents: dict[str, str] | None = (
+            {str(name): url.rstrip("/") for name, url in agents.items()} if agents is not None else None
+        )
+        """The agents by name: ``agents``, or the head server's once discovered."""
         self._discover_lock = asyncio.Lock()
 
     async def __aenter__(self) -> GymClient:
@@ -243,9 +253,9 @@ class GymClient:
 
     # ------------------------------------------------------------ discovery
     async def discover(self) -> dict[str, str]:
-        """``{agent instance name: URL}`` from the head server (cached after the first call)."""
+        """``{agent instance name: URL}``: the head server's (cached after the first call), or ``agents``."""
         if self.head_url is None:
-            return {}
+            return dict(self._agents or {})
         async with self._discover_lock:
             if self._agents is None:
                 url = f"{self.head_url}/global_config_dict_yaml"
@@ -270,23 +280,22 @@ class GymClient:
         return dict(self._agents)
 
     async def agent_url_for(self, row: dict[str, Any]) -> str:
-        """The agent URL a row goes to: the direct URL, or its ``agent_ref`` via discovery."""
+        """The agent URL a row goes to: the direct URL, or the agent its ``agent_ref`` names (the head
+        server's or ``agents``; a row without one goes to the only agent there is)."""
         if self.agent_url is not None:
             return self.agent_url
         agents = await self.discover()
-        ref = row.get("agent_ref")
-        if isinstance(ref, dict) and isinstance(ref.get("name"), str):
-            name = ref["name"]
+        lister = "the head server lists" if self.head_url is not None else "the client has"
+        name = env_of_row(row)
+        if name is not None:
             if name not in agents:
                 raise _DataError(
-                    f"agent_ref names {name!r}, which the head server does not list ({sorted(agents)})"
+                    f"agent_ref names {name!r}, not one of the agents {lister} ({sorted(agents)})"
                 )
             return agents[name]
         if len(agents) == 1:
             return next(iter(agents.values()))
-        raise _DataError(
-            f"row has no agent_ref and the head server lists {len(agents)} agents ({sorted(agents)})"
-        )
+        raise _DataError(f"row has no agent_ref and {lister} {len(agents)} agents ({sorted(agents)})")
 
     # ------------------------------------------------------------- one row
     async def _post_run(

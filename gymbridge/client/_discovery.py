@@ -3,7 +3,7 @@
 The head server answers a JSON *string* whose content is YAML: the whole
 global config, ``instance -> server kind -> implementation -> {host, port, ...}``
 plus ``head_server: {host, port}``. Agents are the instances whose kind is
-``responses_api_agents``; a row's ``agent_ref: {type, name}`` names one.
+``responses_api_agents``; a row's ``agent_ref: {type, name}`` names one (:func:`env_of_row`).
 
 Invariant: a wildcard bind address (``0.0.0.0``, ``::``, empty) is replaced by
 the head server's host, which is the address we know is reachable.
@@ -19,11 +19,29 @@ import yaml
 
 from gymbridge.errors import ProtocolError
 
-__all__ = ["AGENT_KIND", "parse_global_config", "server_urls"]
+__all__ = ["AGENT_KIND", "agent_ref", "env_of_row", "parse_global_config", "server_urls"]
 
 AGENT_KIND = "responses_api_agents"
 SERVER_KINDS = ("responses_api_agents", "resources_servers", "responses_api_models", "environment_servers")
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def env_of_row(row: Mapping[str, Any]) -> str | None:
+    """The environment a dataset row names: its ``agent_ref``'s ``name`` (``None``: it names none).
+
+    The agent a head server routes the row to, the environment of a mixed run (``env.mix``), and
+    the ``env`` of its failure records and per-environment metrics."""
+    ref = row.get("agent_ref")
+    if isinstance(ref, Mapping):
+        name = ref.get("name")
+        if isinstance(name, str) and name:
+            return name
+    return None
+
+
+def agent_ref(name: str) -> dict[str, str]:
+    """The ``agent_ref`` a row carries to be run by agent ``name``: ``{"type": AGENT_KIND, "name": name}``."""
+    return {"type": AGENT_KIND, "name": name}
 
 
 def parse_global_config(body: Any) -> dict[str, Any]:

@@ -4,6 +4,7 @@
 
     gymbridge train --env my_pkg.envs:MyEnv --dataset rows.jsonl --model /models/qwen2-vl-2b
     gymbridge train --agent-url http://127.0.0.1:8000 --dataset rows.jsonl --model-port 8010
+    gymbridge train --head-url http://127.0.0.1:11000 --dataset mixed_rows.jsonl --model-port 8010
     gymbridge train --config smoke --set trainer.lr=1e-3 --steps 20
     gymbridge smoke run --model tiny:gemma3 --steps 2     # a tiny model of one VLM family
     gymbridge train --resume runs/color_pick-20261202T101500Z
@@ -73,6 +74,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
     parser.add_argument(
         "--agent-url", default=None, help="a running NeMo Gym agent (POST /run): serve the model only"
     )
+    parser.add_argument(
+        "--head-url",
+        default=None,
+        help="a running NeMo Gym head server: each row's agent_ref picks its agent; serve the model only",
+    )
     parser.add_argument("--dataset", default=None, help="NeMo Gym rows (jsonl) to train on")
     parser.add_argument(
         "--model",
@@ -86,7 +92,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
         "--backend", choices=("hf", "vllm"), default=None, help="generation backend of --model"
     )
     parser.add_argument(
-        "--model-port", type=int, default=None, help="the model server's port (for --agent-url)"
+        "--model-port", type=int, default=None, help="the model server's port (for --agent-url, --head-url)"
     )
     parser.add_argument("--native", action="store_true", default=None, help="native rollouts (no agent)")
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps")
@@ -262,7 +268,11 @@ def run_model_parts(config: RunConfig) -> ModelParts:
         from gymbridge.run.model import pick_model
 
         modalities: tuple[str, ...] = ("image",)
-        if name == "tiny" and config.env.agent_url is None and config.env.name is not None:
+        if name == "tiny" and config.env.mix:  # the model the run picked: every environment's media
+            from gymbridge.run.userenv import resolve_mix
+
+            modalities = resolve_mix(config.env).modalities
+        elif name == "tiny" and config.env.agent_url is None and config.env.name is not None:
             from gymbridge.run.userenv import resolve_env
 
             modalities = tuple(resolve_env(config.env.name).modalities)

@@ -19,10 +19,11 @@ overrides, then the command line's flags (``--steps``, ``--env``, ...); OmegaCon
 once (:class:`~gymbridge.errors.ConfigError`). A key of the old flat launcher config
 (``dedup``, ``max_staleness``, ...) is refused with its new dotted name.
 
-**Switching environments.** ``--env`` or ``--agent-url`` naming another environment than the
-overlays' drops what belongs to the overlays' environment (:data:`ENV_BOUND_KEYS`: its generator
-parameters, token budget per model call, turns, format warm-up, forced first call), so one
-environment's settings never leak into another's.
+**Switching environments.** ``--env``, ``--agent-url``, ``--head-url`` (or a ``--set`` of
+``env.name`` / ``env.agent_url`` / ``env.head_url`` / ``env.mix``) naming another environment than
+the overlays' drops the overlays' environment and what belongs to it (:data:`ENV_BOUND_KEYS`: its
+generator parameters, token budget per model call, turns, format warm-up, forced first call), so
+one environment's settings never leak into another's.
 
 Invariants: ``trainer.lr_decay_steps`` left unset follows ``steps`` on every path (file, code,
 command line); cross-section rules (``force_first_call`` needs native rollouts, a bf16 policy
@@ -35,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from pydantic import Field, field_validator, model_validator
 
 from gymbridge.bridge.config import BridgeConfig
@@ -55,6 +56,7 @@ __all__ = [
     "DPConfig",
     "DataConfig",
     "EnvConfig",
+    "EnvMixEntry",
     "EvalConfig",
     "ModelConfig",
     "OutputConfig",
@@ -70,8 +72,24 @@ CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 """The shipped overlays (``gymbridge/configs/*.yaml``, package data)."""
 
 
+class EnvMixEntry(StrictModel):
+    """One environment of ``env.mix``."""
+
+    name: str = Field(min_length=1)
+    """An example or registered environment, or ``module:Class`` (as ``env.name``)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Its data generator's parameters (``{}``: its own defaults)."""
+    weight: float = Field(1.0, gt=0)
+    """Its share of the generated rows: ``weight / (sum of the weights)``."""
+    label: str | None = Field(None, min_length=1, pattern=r"^[^/]+$")
+    """The name its rows' ``agent_ref`` carries, which routes them to it and names its metrics
+    (``env/<label>/...``); ``None``: its name (``:`` and ``/`` written ``-``), then ``-2``, ``-3``, ...
+    for a name that repeats."""
+
+
 class EnvConfig(StrictModel):
-    """The ``env:`` section: what the policy is trained on."""
+    """The ``env:`` section: what the policy is trained on, one of ``name``, ``agent_url``,
+    ``head_url`` or ``mix``."""
 
     name: str | None = None
     """An example or registered environment (``gymbridge env list``), or ``module:Class`` (your
@@ -82,6 +100,51 @@ class EnvConfig(StrictModel):
     agent_url: str | None = None
     """A running NeMo Gym agent (``POST /run``; a genuine nemo-gym one included): the run starts no
     environment and no agent, only the model server that agent calls (``generator.port``)."""
+    head_url: str | None = None
+    """A running NeMo Gym head server: every row's ``agent_ref`` names the agent that runs it (found
+    through the head's ``/global_config_dict_yaml``); as with ``agent_url`` the run starts only the
+    model server those agents call (``generator.port``)."""
+    mix: list[EnvMixEntry] = Field(default_factory=list)
+    """Several of gymbridge's environments in one run, each started with an agent of its own; the
+    generated rows interleave them by ``weight`` and carry ``agent_ref`` naming each row's
+    environment (``[]``: one environment, ``name``)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvConfig:
+        given = [k for k in ("name", "agent_url", "head_url") if getattr(self, k) is not None]
+        problems = []
+        if self.head_url is not None and len(given) > 1:
+            others = ", ".join(f"env.{k}" for k in given if k != "head_url")
+            problems.append(f"env.head_url with {others}: the head server's agents hold the environments")
+        if self.mix:
+            if given:
+                problems.append(
+                    f"env.mix with {', '.join(f'env.{k}' for k in given)}: a mix names its environments "
+                    "itself (env.mix[i].name)"
+                )
+            if self.params:
+                problems.append("env.params with env.mix: give each environment's as env.mix[i].params")
+            labels = self.mix_labels
+            twice = sorted({label for label in labels if labels.count(label) > 1})
+            if twice:
+                problems.append(f"env.mix: the labels {twice} name two environments; give each its own label")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @property
+    def mix_labels(self) -> list[str]:
+        """The label of each ``mix`` entry, in order (:attr:`EnvMixEntry.label`)."""
+        seen: dict[str, int] = {}
+        labels: list[str] = []
+        for entry in self.mix:
+            if entry.label is not None:
+                labels.append(entry.label)
+                continue
+            base = entry.name.replace(":", "-").replace("/", "-")
+            seen[base] = seen.get(base, 0) + 1
+            labels.append(base if seen[base] == 1 else f"{base}-{seen[base]}")
+        return labels
 
 
 class DataConfig(StrictModel):
@@ -351,6 +414,27 @@ class RunConfig(StrictModel):
             )
         if self.env.agent_url is not None and self.data.path is None:
             problems.append("env.agent_url: give data.path (the NeMo Gym rows the agent runs)")
+        if self.env.head_url is not None:
+            if self.data.path is None:
+                problems.append(
+                    "env.head_url: give data.path (NeMo Gym rows, each with the agent_ref of its agent)"
+                )
+            if self.rollout.native:
+                problems.append(
+                    "env.head_url: native rollouts drive the environment themselves; drop rollout.native "
+                    "or env.head_url"
+                )
+            if self.warmup.steps > 0:
+                problems.append(
+                    f"warmup.steps={self.warmup.steps} with env.head_url: the format warm-up trains on an "
+                    "example environment's format_examples, and the head server's agents hold the "
+                    "environments; set warmup.steps=0"
+                )
+        if self.env.mix and self.warmup.steps > 0:
+            problems.append(
+                f"warmup.steps={self.warmup.steps} with env.mix: the format warm-up trains on one "
+                "environment's format_examples; set warmup.steps=0"
+            )
         if self.model.backend == "vllm":
             if self.model.is_tiny:
                 problems.append(
@@ -368,7 +452,12 @@ class RunConfig(StrictModel):
 
     @property
     def env_label(self) -> str:
-        """What the run trains on, for file names and messages: the env's name, or ``agent``."""
+        """What the run trains on, for file names and messages: the env's name, ``mix`` (``env.mix``),
+        ``head`` (``env.head_url``) or ``agent``."""
+        if self.env.mix:
+            return "mix"
+        if self.env.head_url is not None:
+            return "head"
         if self.env.agent_url is not None or self.env.name is None:
             return "agent"
         return self.env.name.replace(":", "-").replace("/", "-")
@@ -379,6 +468,7 @@ FLAG_KEYS: dict[str, str] = {
     "seed": "seed",
     "env": "env.name",
     "agent_url": "env.agent_url",
+    "head_url": "env.head_url",
     "dataset": "data.path",
     "model": "model.name",
     "backend": "model.backend",
@@ -474,9 +564,25 @@ def read_overlay(name: str | Path, *, _seen: tuple[Path, ...] = ()) -> DictConfi
     return OmegaConf.merge(merged, conf)  # type: ignore[return-value]
 
 
+_ENV_SOURCE_KEYS = ("env.name", "env.agent_url", "env.head_url", "env.mix")
+"""What a run trains on (one of them): the keys the command line replaces when it names another."""
+
+
 def _env_of(conf: DictConfig) -> str | None:
     value = OmegaConf.select(conf, "env.name", default=None)
     return None if value is None else str(value)
+
+
+def _env_source(conf: DictConfig) -> dict[str, Any]:
+    """The environment keys of ``conf`` that are set (:data:`_ENV_SOURCE_KEYS`), as written."""
+    found: dict[str, Any] = {}
+    for key in _ENV_SOURCE_KEYS:
+        node = OmegaConf.select(conf, key, default=None, throw_on_resolution_failure=False)
+        if isinstance(node, (DictConfig, ListConfig)):
+            node = OmegaConf.to_container(node, resolve=False)
+        if node not in (None, []):
+            found[key] = node
+    return found
 
 
 def _drop(conf: DictConfig, dotted: str) -> None:
@@ -510,14 +616,14 @@ def load_run_config(
         raise ValueError(f"not run flags: {unknown}")
     overlay_env = _env_of(conf)
     new_env = given.get("env.name")
+    overlay_source = _env_source(conf)
+    named = merge_overrides(merge_overrides(conf, overrides, where=where), list(given.items()), where=where)
     switched = (new_env is not None and new_env != overlay_env) or (
-        "env.agent_url" in given and overlay_env is not None
+        bool(overlay_source) and _env_source(named) != overlay_source
     )
-    if switched:
-        for key in ENV_BOUND_KEYS:
+    if switched:  # the overlays' environment, and what belongs to it, gives way to the one named
+        for key in (*ENV_BOUND_KEYS, *_ENV_SOURCE_KEYS):
             _drop(conf, key)
-        if "env.agent_url" in given and new_env is None:
-            _drop(conf, "env.name")
     conf = merge_overrides(conf, overrides, where=where)
     conf = merge_overrides(conf, list(given.items()), where=where)
     _refuse_moved_keys(conf, where)

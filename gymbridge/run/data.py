@@ -2,6 +2,9 @@
 
 Rows come from ``data.path`` (a user's jsonl) or from the environment's data generator
 (``steps x bridge.prompts_per_step`` rows, times the extra rounds dynamic sampling may draw).
+With ``env.mix`` the generated rows interleave the environments' own by weight
+(:func:`mixed_order`) and each carries ``agent_ref`` naming its environment; rows of
+``data.path`` must name one of the mix's environments (``env.head_url``: an agent) themselves.
 Every row gets the run's sampling settings where it sets none (``max_output_tokens``,
 ``temperature``, and ``top_p`` when it is not 1); a row asking for another temperature or top-p
 than the trainer scores with is refused (the importance ratio would compare two distributions).
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +45,7 @@ from pydantic import ValidationError
 
 from gymbridge.errors import ConfigError, ResumeError
 from gymbridge.protocol import RunRequest
+from gymbridge.run.userenv import EnvMix
 from gymbridge.safe_io import write_atomic
 
 if TYPE_CHECKING:
@@ -56,6 +60,7 @@ __all__ = [
     "count_rows",
     "dataset_rows",
     "generated_rows",
+    "mixed_order",
     "resume_dataset",
     "write_dataset",
     "write_run_dataset",
@@ -223,29 +228,105 @@ def write_dataset(
         reader = DatasetReader(cfg.data.path, progress=progress)
         write_atomic(path, _checked_lines(cfg, reader))
         return len(reader.result()), f"from {reader.path}"
-    spec.check_params(cfg.env.params)
+    _check_generator_params(cfg, spec)
     n = cfg.steps * cfg.bridge.prompts_per_step
     if cfg.bridge.dynamic_sampling:  # each batch may draw that many extra rounds of prompts
         n *= 1 + cfg.bridge.dynamic_sampling_max_rounds
     written = 0
+    what = cfg.env.name if not isinstance(spec, EnvMix) else "env.mix"
 
     def lines() -> Iterator[bytes]:
         nonlocal written
         for row in generated_rows(cfg, spec, n, seed=cfg.seed):
-            yield _row_line(cfg, row, f"{cfg.env.name} row {written}")
+            yield _row_line(cfg, row, f"{what} row {written}")
             written += 1
 
     write_atomic(path, lines())
+    if isinstance(spec, EnvMix):
+        shares = ", ".join(f"{e.label} x{e.weight:g}" for e in spec.envs)
+        return written, f"a mix of {shares}, generated"
     return written, f"{cfg.env.name}, generated"
+
+
+def _check_generator_params(cfg: RunConfig, spec: Any) -> None:
+    """The generator parameters of the run's environment, or of each of a mix's: every problem at once."""
+    if not isinstance(spec, EnvMix):
+        spec.check_params(cfg.env.params)
+        return
+    problems: list[str] = []
+    for i, env in enumerate(spec.envs):
+        try:
+            env.spec.check_params(env.params)
+        except ConfigError as exc:
+            problems += [f"env.mix[{i}].params: {p}" for p in exc.problems]
+    if problems:
+        raise ConfigError(problems)
 
 
 def generated_rows(cfg: RunConfig, spec: Any, n: int, *, seed: int) -> Iterator[dict[str, Any]]:
     """The environment generator's ``n`` rows at ``seed`` as it yields them (the run's dataset at
-    ``cfg.seed``; validation rows at another seed)."""
+    ``cfg.seed``; validation rows at another seed).
+
+    ``spec`` an :class:`~gymbridge.run.userenv.EnvMix`: its environments' rows in
+    :func:`mixed_order`, each with ``agent_ref`` naming its environment's label; environment ``k``
+    contributes its own generator's first rows at ``seed`` (a second entry of the same environment:
+    at a seed derived from ``seed`` and its label), so the same ``seed`` gives the same rows and
+    another seed other rows, every environment's included."""
+    if isinstance(spec, EnvMix):
+        yield from _mixed_rows(spec, n, seed)
+        return
     try:
         yield from spec.generate(n, seed, **cfg.env.params)
     except (TypeError, ValueError) as exc:  # a generator refusing its parameters
         raise ConfigError([f"env.params: {cfg.env.name} generator: {exc}"]) from exc
+
+
+def mixed_order(weights: Sequence[float], n: int) -> Iterator[int]:
+    """The environment (its index in ``weights``) of each of ``n`` mixed rows: smooth weighted round robin.
+
+    Deterministic; in every prefix each environment's count stays within one row of its share
+    ``n * w_k / sum(w)`` for two environments (below ``len(weights) - 1`` rows for more), so each
+    step's prompts mix the environments as the weights say, not only the whole dataset."""
+    total = float(sum(weights))
+    current = [0.0] * len(weights)
+    for _ in range(n):
+        for k, w in enumerate(weights):
+            current[k] += w
+        pick = max(range(len(weights)), key=current.__getitem__)  # the first of equals
+        current[pick] -= total
+        yield pick
+
+
+def _mixed_rows(mix: EnvMix, n: int, seed: int) -> Iterator[dict[str, Any]]:
+    from gymbridge.client import agent_ref
+
+    counts = [0] * len(mix.envs)
+    for k in mixed_order([e.weight for e in mix.envs], n):
+        counts[k] += 1
+    seen: set[str] = set()
+    streams: list[Iterator[dict[str, Any]]] = []
+    for env, count in zip(mix.envs, counts, strict=True):
+        name = str(getattr(env.spec, "name", env.label))
+        own = seed if name not in seen else _derived_seed(seed, env.label)
+        seen.add(name)
+        streams.append(iter(env.spec.generate(count, own, **env.params)))
+    for k in mixed_order([e.weight for e in mix.envs], n):
+        env = mix.envs[k]
+        try:
+            row = next(streams[k])
+        except (TypeError, ValueError) as exc:  # a generator refusing its parameters
+            raise ConfigError([f"env.mix[{k}].params: {env.spec.name} generator: {exc}"]) from exc
+        except StopIteration:  # a generator that gave fewer rows than asked
+            raise ConfigError(
+                [f"env.mix[{k}]: {env.spec.name} generated fewer than {counts[k]} rows"]
+            ) from None
+        yield {**row, "agent_ref": agent_ref(env.label)}
+
+
+def _derived_seed(seed: int, label: str) -> int:
+    """A seed of its own for a repeated environment's rows (a 63-bit hash of ``seed`` and ``label``)."""
+    digest = hashlib.blake2b(f"{seed}/{label}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def write_run_dataset(cfg: RunConfig, spec: Any, run_dir: RunDir, *, progress: Progress | None = None) -> str:
@@ -368,12 +449,43 @@ def _file_digest(path: Path, progress: Progress | None) -> tuple[int, str] | Non
 def _checked_lines(cfg: RunConfig, reader: DatasetReader) -> Iterator[bytes]:
     """The reader's rows as dataset lines, defaults filled in; raises the pass's problems at its end."""
     for lineno, row in reader:
+        where = f"{reader.path} line {lineno}"
+        unrouted = _route_problem(cfg, row, where)
+        if unrouted is not None:
+            reader.refuse(unrouted)
+            continue
         try:
-            yield _row_line(cfg, row, f"{reader.path} line {lineno}")
+            yield _row_line(cfg, row, where)
         except ConfigError as exc:
             for problem in exc.problems:
                 reader.refuse(problem)
     reader.result()
+
+
+def _route_problem(cfg: RunConfig, row: dict[str, Any], where: str) -> str | None:
+    """Why ``row`` names no environment the run has (``env.mix``: one of its labels; ``env.head_url``:
+    an agent), or ``None``."""
+    if not cfg.env.mix and cfg.env.head_url is None:
+        return None
+    from gymbridge.client import env_of_row
+
+    name = env_of_row(row)
+    if cfg.env.head_url is not None:
+        if name is None:
+            return (
+                f"{where}: no agent_ref: with env.head_url every row names the agent that runs it "
+                '(agent_ref: {"type": "responses_api_agents", "name": AGENT})'
+            )
+        return None
+    labels = cfg.env.mix_labels
+    if name is None:
+        return (
+            f"{where}: no agent_ref: with env.mix every row names its environment "
+            f'(agent_ref: {{"type": "responses_api_agents", "name": one of {labels}}})'
+        )
+    if name not in labels:
+        return f"{where}: agent_ref names {name!r}, not an environment of env.mix ({labels})"
+    return None
 
 
 def _filled_row(cfg: RunConfig, row: dict[str, Any], where: str) -> dict[str, Any]:

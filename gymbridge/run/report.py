@@ -9,7 +9,10 @@ there.
 
 Invariants: a record holds every :class:`~gymbridge.trainer.StepMetrics` field as is, plus the
 run's keys below; the ``timing/<phase>`` keys hold the step's phases in seconds
-(:mod:`gymbridge.run.timing`), and they add up to ``step_s`` (``timing/other`` is the rest).
+(:mod:`gymbridge.run.timing`), and they add up to ``step_s`` (``timing/other`` is the rest). A run
+whose rows name their environment (``agent_ref``: ``env.mix``, ``env.head_url``) adds
+``env/<name>/reward_mean``, ``env/<name>/rollouts_ok``, ``env/<name>/rollouts_failed`` and
+``env/<name>/tokens`` for every environment it has run so far (:meth:`StepReport.env_keys`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,15 @@ if TYPE_CHECKING:
     from gymbridge.metrics import BoundaryTotals
     from gymbridge.trainer.grpo import StepMetrics
 
-__all__ = ["RunSummary", "StepReport", "group_rewards", "payload_delta"]
+__all__ = ["ENV_KEY_PREFIX", "RunSummary", "StepReport", "env_key", "group_rewards", "payload_delta"]
+
+ENV_KEY_PREFIX = "env/"
+"""Per-environment keys of a record are ``env/<name>/<metric>``."""
+
+
+def env_key(env: str, metric: str) -> str:
+    """The record key of ``metric`` for environment ``env``: ``env/<env>/<metric>``."""
+    return f"{ENV_KEY_PREFIX}{env}/{metric}"
 
 
 def payload_delta(
@@ -59,6 +70,15 @@ def group_rewards(groups: list[GroupResult]) -> tuple[float, float]:
     return sum(env) / len(env), sum(bonus) / len(bonus)
 
 
+def _env_groups(groups: list[GroupResult]) -> dict[str, list[GroupResult]]:
+    """The trained groups of each environment (``GroupResult.env``; a group is one row's, so one env's)."""
+    out: dict[str, list[GroupResult]] = {}
+    for g in groups:
+        if g.env is not None and g.batch is not None:
+            out.setdefault(g.env, []).append(g)
+    return out
+
+
 @dataclass(frozen=True)
 class StepReport:
     """One step of a run, as every callback sees it."""
@@ -89,6 +109,9 @@ class StepReport:
     """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """The trainer's fixed facts (``kl_reference``, ``lora_rank``, ``trainable_params``); ``{}`` without."""
+    generator: dict[str, float] = field(default_factory=dict)
+    """The model server's counters of the step (``generator/tool_calls_parsed``,
+    ``generator/tool_calls_unparsed``: :func:`gymbridge.run.timing.generator_keys`); ``{}``: none read."""
     counters_unavailable: dict[str, str] = field(default_factory=dict)
     """Counter sources that could not be read (name -> why): their phases are in ``wait_rollouts``
     (:attr:`gymbridge.run.timing.StepCounters.unavailable`)."""
@@ -117,8 +140,8 @@ class StepReport:
         ``groups_zero_variance_dropped`` / ``zero_variance_task_indices`` (groups dynamic
         sampling left out, each also in ``failures.jsonl``), ``staleness_max`` (the largest
         ``policy version - oldest turn version`` among the trained groups), ``rollouts_truncated``
-        (of ``rollouts_ok``), ``counters_unavailable``, ``payload`` and one ``timing/<phase>`` key
-        per phase of :attr:`timing`.
+        (of ``rollouts_ok``), ``counters_unavailable``, ``payload``, one ``timing/<phase>`` key
+        per phase of :attr:`timing` and the model server's ``generator/*`` counters.
         """
         groups = self.batch.groups
         keys: set[str] = set()
@@ -152,9 +175,33 @@ class StepReport:
                 **{f"timing/{phase}": seconds for phase, seconds in self.timing.items()},
                 **self.dp,
                 **self.trainer,
+                **self.generator,
+                **self.env_keys(),
             }
         )
         return record
+
+    def env_keys(self) -> dict[str, Any]:
+        """The step per environment (``{}`` when the rows name none), for every environment the run has
+        run so far: ``env/<name>/reward_mean`` (the environment reward of its trained rollouts;
+        ``None`` when none of its groups trained this step), ``env/<name>/rollouts_ok`` and
+        ``env/<name>/rollouts_failed`` (as ``rollouts_ok`` / ``rollouts_failed``: while the batch was
+        assembled) and ``env/<name>/tokens`` (tokens its trained rollouts generated)."""
+        b = self.batch
+        trained = _env_groups(b.groups)
+        envs = sorted({*b.env_rollouts_ok, *b.env_rollouts_failed, *trained})
+        out: dict[str, Any] = {}
+        for env in envs:
+            groups = trained.get(env, [])
+            trajs = [t for g in groups for t in g.trajectories]
+            rewards = [float(t.metadata.get("env_reward", t.reward)) for t in trajs]
+            out[env_key(env, "reward_mean")] = sum(rewards) / len(rewards) if rewards else None
+            out[env_key(env, "rollouts_ok")] = b.env_rollouts_ok.get(env, 0)
+            out[env_key(env, "rollouts_failed")] = b.env_rollouts_failed.get(env, 0)
+            out[env_key(env, "tokens")] = sum(
+                len(turn.generation_token_ids) for t in trajs for turn in t.turns
+            )
+        return out
 
 
 def _zero_variance(group: GroupResult) -> bool:
@@ -215,11 +262,20 @@ class RunSummary:
     """A resumed run that had already done all its steps (it started nothing)."""
     export_dir: str = ""
     """The Hugging Face export of the final checkpoint (``output.export: final``; ``""``: none written)."""
+    env_reward_spans: dict[str, tuple[float, float, int]] = field(default_factory=dict)
+    """Per environment (``env/<name>/reward_mean``): its first and last step's mean environment
+    reward, and the steps that trained it."""
 
     def add(self, report: StepReport, record: dict[str, Any]) -> None:
         """Account one step."""
         self.steps.append(report.metrics)
         self.env_rewards.append(report.env_reward_mean)
+        suffix = "/reward_mean"
+        for key, value in record.items():
+            if key.startswith(ENV_KEY_PREFIX) and key.endswith(suffix) and value is not None:
+                env = key[len(ENV_KEY_PREFIX) : -len(suffix)]
+                first, _, trained = self.env_reward_spans.get(env, (float(value), 0.0, 0))
+                self.env_reward_spans[env] = (first, float(value), trained + 1)
         self.shaping_rewards.append(report.shaping_reward_mean)
         self.media_keys.append(report.batch.batch.media_keys())
         self.records.append(record)

@@ -8,6 +8,8 @@ way; this module resolves two parts a user brings (the third, a model directory,
   ``gymbridge.environments`` entry-point group) or ``env: module:Class`` (a
   :class:`~gymbridge.server.ResourcesServer` subclass, imported and started by the launcher on
   127.0.0.1 next to our agent and model server);
+* :func:`resolve_mix`: ``env.mix``, several of them in one run (an :class:`EnvMix`: each
+  environment's spec under its label, the ``agent_ref`` name of its rows);
 * :func:`read_dataset`: NeMo Gym rows (``responses_create_params`` + any extra keys), each line
   validated against the wire model before anything starts, in one streaming pass that also
   gives the file's size, sha256 and row count (:mod:`gymbridge.run.data`); a bad line is a
@@ -23,16 +25,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from gymbridge.errors import ConfigError
 
 if TYPE_CHECKING:
+    from gymbridge.run.config import EnvConfig
     from gymbridge.run.data import DatasetFile
 
-__all__ = ["UserEnv", "is_class_ref", "read_dataset", "resolve_env"]
+__all__ = ["EnvMix", "MixedEnv", "UserEnv", "is_class_ref", "read_dataset", "resolve_env", "resolve_mix"]
 
 
 def is_class_ref(env: str) -> bool:
@@ -68,6 +71,66 @@ class UserEnv:
     def data_module(self) -> types.SimpleNamespace:
         """No data generator and no ``format_examples`` (the run needs ``data.path``; no warm-up)."""
         return types.SimpleNamespace()
+
+
+@dataclass(frozen=True)
+class MixedEnv:
+    """One environment of an :class:`EnvMix`."""
+
+    label: str
+    """The ``agent_ref`` name of its rows (``env.mix[i].label``, or the one derived from its name)."""
+    spec: Any
+    """Its spec, as :func:`resolve_env` gives it (an example environment's, or a :class:`UserEnv`)."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Its data generator's parameters."""
+    weight: float = 1.0
+    """Its share of the generated rows (of the sum of the mix's weights)."""
+
+    @property
+    def has_generator(self) -> bool:
+        return not isinstance(self.spec, UserEnv)
+
+
+@dataclass(frozen=True)
+class EnvMix:
+    """``env.mix`` resolved: the environments one run trains on, in the config's order.
+
+    It stands where one environment's spec stands: :attr:`modalities` (what the model must take)
+    is every environment's, :attr:`max_turns` the most any takes; each environment keeps its own
+    style, turns and server (:mod:`gymbridge.run.services` starts one with an agent of its own)."""
+
+    envs: tuple[MixedEnv, ...]
+
+    @property
+    def labels(self) -> list[str]:
+        return [e.label for e in self.envs]
+
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """Every environment's modalities, each once, in order of first appearance."""
+        return tuple(dict.fromkeys(m for e in self.envs for m in e.spec.modalities))
+
+    @property
+    def max_turns(self) -> int:
+        return max(int(e.spec.max_turns) for e in self.envs)
+
+    @property
+    def has_generator(self) -> bool:
+        """Whether every environment generates rows (a ``module:Class`` one does not)."""
+        return all(e.has_generator for e in self.envs)
+
+    def by_label(self) -> dict[str, MixedEnv]:
+        return {e.label: e for e in self.envs}
+
+
+def resolve_mix(env: EnvConfig) -> EnvMix:
+    """``env.mix`` as an :class:`EnvMix` (each name resolved as :func:`resolve_env` does)."""
+    return EnvMix(
+        tuple(
+            MixedEnv(label, resolve_env(entry.name), dict(entry.params), entry.weight)
+            for label, entry in zip(env.mix_labels, env.mix, strict=True)
+        )
+    )
 
 
 def resolve_env(env: str) -> Any:
