@@ -9,6 +9,7 @@
     gymbridge agent serve --resources-url URL --model-url URL [--port P]
     gymbridge smoke run [--config FILE] [--set KEY=VALUE ...]
     gymbridge export RUN_DIR --out DIR [--step N] [--dtype bfloat16|float32] [--max-shard-size 5GB]
+    gymbridge eval RUN_DIR [--step N] | --model DIR --env NAME | --agent-url URL --data ROWS [-n K]
 
 Each top-level group (``env``, ``model``, ``agent``, ``smoke``) is one entry of
 :data:`COMMAND_GROUPS`: a help line and the dotted path of a function that adds
@@ -94,6 +95,10 @@ SINGLE_COMMANDS: dict[str, tuple[str, str]] = {
     "export": (
         "write a run's trained weights as a Hugging Face model directory (from_pretrained, vLLM)",
         "gymbridge.run.cli:add_export_arguments",
+    ),
+    "eval": (
+        "one validation pass (pass@k) of a run's checkpoint, a model directory or a running agent",
+        "gymbridge.run.eval_cli:add_eval_arguments",
     ),
     "collect": (
         "roll a dataset out through any NeMo Gym agent (ng_collect_rollouts): results + failures",

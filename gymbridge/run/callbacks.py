@@ -74,19 +74,23 @@ class MetricsFileCallback(Callback):
 
 class ArtifactsCallback(Callback):
     """``rollouts/step_<n>.jsonl`` and the step's viewer file every step, ``charts/`` and the
-    viewer's index at step 1, every ``chart_every`` steps and at the end
+    viewer's index at step 1, every ``chart_every`` steps and at the end; each validation pass's
+    viewer file, its line in the viewer's Validation list and its points on the charts
     (:mod:`gymbridge.run.artifacts`).
 
     A writer thread of its own does the writing: ``on_step`` queues the step and its record and
-    returns, so the loop goes on while the files are written, in step order. A refresh of the
-    charts and viewer that falls due while the previous one is still queued or running is skipped
-    (the next one, or the end, draws every step). At most :attr:`backlog` steps wait for the
-    writer: beyond that ``on_step`` waits (visibly, in the next step's ``timing/artifacts``). A
-    writer's error is raised at the next ``on_step`` or at the end; when the run stops on an error
-    of its own, :meth:`close` waits for the queued writes and says (and logs) each one's error
-    instead. It holds no step's record beyond the queued ones: the charts' values are compact
-    series (:class:`~gymbridge.run.artifacts.ChartSeries`), which a resumed run reads from
-    ``metrics.jsonl`` a line at a time, in the writer thread (the set-up does not wait for it).
+    returns, so the loop goes on while the files are written, in step order; ``on_eval`` queues a
+    pass the same way, in turn with the steps. A refresh of the charts and viewer that falls due
+    while the previous one is still queued or running is skipped (the next one, or the end, draws
+    every step); so is a pass's redraw of its two charts while the previous pass's is queued. At
+    most :attr:`backlog` steps or passes wait for the writer: beyond that ``on_step`` (``on_eval``)
+    waits (visibly, in the next step's ``timing/artifacts``). A writer's error is raised at the
+    next ``on_step`` / ``on_eval`` or at the end; when the run stops on an error of its own,
+    :meth:`close` waits for the queued writes and says (and logs) each one's error instead. It
+    holds no step's record beyond the queued ones: the charts' values are compact series
+    (:class:`~gymbridge.run.artifacts.ChartSeries`, :class:`~gymbridge.run.artifacts.EvalSeries`),
+    which a resumed run reads from ``metrics.jsonl`` and ``eval.jsonl`` a line at a time, in the
+    writer thread (the set-up does not wait for it).
     """
 
     backlog = 4
@@ -103,17 +107,19 @@ class ArtifactsCallback(Callback):
             chart_every=run.config.output.chart_every,
         )
         self._writer: Any = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gymbridge-artifacts")
-        self._queued: collections.deque[tuple[int, Any]] = collections.deque()  # (step, its write)
+        self._queued: collections.deque[tuple[str, Any]] = collections.deque()  # (what, its write)
         self._refresh: Any = None
-        # a resumed run's earlier steps: read by the writer, before its first step's files, so the
-        # set-up does not wait for a read that grows with the run's length
+        self._eval_refresh: Any = None
+        # a resumed run's earlier steps and passes: read by the writer, before its first step's
+        # files, so the set-up does not wait for a read that grows with the run's length
         job = self._writer.submit(self._load_series, run.run_dir)
-        self._queued.append((0, job))
+        self._queued.append(("the chart history", job))
 
     def _load_series(self, run_dir: Any) -> None:
-        from gymbridge.run.artifacts import ChartSeries
+        from gymbridge.run.artifacts import ChartSeries, EvalSeries
 
         self._artifacts.series = ChartSeries.from_records(run_dir.iter_metrics())
+        self._artifacts.eval_series = EvalSeries.from_records(run_dir.iter_eval())
 
     def _settle(self, keep: int) -> None:
         """Raise a finished write's error; wait until at most ``keep`` writes are queued."""
@@ -130,9 +136,22 @@ class ArtifactsCallback(Callback):
             dict(record),  # the writer reads it later: a copy of this step's record only
             refresh=refresh,
         )
-        self._queued.append((report.step, job))
+        self._queued.append((f"step {report.step}", job))
         if refresh:
             self._refresh = job
+
+    def on_eval(self, record: Mapping[str, Any], rollouts: Sequence[Mapping[str, Any]]) -> None:
+        self._settle(self.backlog - 1)
+        refresh = self._eval_refresh is None or self._eval_refresh.done()
+        job = self._writer.submit(
+            self._artifacts.record_eval,
+            dict(record),  # copies: the writer reads them later
+            [dict(r) for r in rollouts],
+            refresh=refresh,
+        )
+        self._queued.append((f"the validation pass after step {record.get('step')}", job))
+        if refresh:
+            self._eval_refresh = job
 
     def on_end(self, summary: RunSummary) -> None:
         self._settle(0)
@@ -146,11 +165,11 @@ class ArtifactsCallback(Callback):
             self._writer = None
             # an error path (the run's own error is on its way): raising here would hide it
             while self._queued:
-                step, job = self._queued.popleft()
+                what, job = self._queued.popleft()
                 error = job.exception()
                 if error is not None:
-                    logger.error("the artifacts of step %d were not written", step, exc_info=error)
-                    self._say(f"artifacts of step {step} not written: {type(error).__name__}: {error}")
+                    logger.error("the artifacts of %s were not written", what, exc_info=error)
+                    self._say(f"artifacts of {what} not written: {type(error).__name__}: {error}")
 
 
 class ReportersCallback(Callback):
@@ -269,7 +288,31 @@ def step_line(report: StepReport, record: Mapping[str, Any], config: RunConfig) 
         line += f"  TRUNCATED {truncated}/{ok} rollouts (a limit hit: rollout.max_tokens?)"
     for name, why in (record.get("counters_unavailable") or {}).items():
         line += f"  no {name} counters ({why}: in wait_rollouts)"
-    return line + _media_summary(report)
+    return line + _env_summary(record) + _media_summary(report)
+
+
+def _env_summary(record: Mapping[str, Any]) -> str:
+    """``  envs color_pick 0.500 (4 ok / 0 failed), side_pick - (3 ok / 1 failed)``: the record's
+    per-environment keys (``env/<name>/...``; ``-``: none of its groups trained this step)."""
+    from gymbridge.run.report import ENV_KEY_PREFIX, env_key
+
+    suffix = "/rollouts_ok"
+    envs = [
+        k[len(ENV_KEY_PREFIX) : -len(suffix)]
+        for k in record
+        if k.startswith(ENV_KEY_PREFIX) and k.endswith(suffix)
+    ]
+    if not envs:
+        return ""
+    parts = []
+    for env in envs:
+        reward = record.get(env_key(env, "reward_mean"))
+        shown = "-" if reward is None else f"{reward:.3f}"
+        parts.append(
+            f"{env} {shown} ({record.get(env_key(env, 'rollouts_ok'), 0)} ok / "
+            f"{record.get(env_key(env, 'rollouts_failed'), 0)} failed)"
+        )
+    return "  envs " + ", ".join(parts)
 
 
 def _media_summary(report: StepReport) -> str:

@@ -60,13 +60,14 @@ from gymbridge.run.callbacks import Callback, default_callbacks
 from gymbridge.run.config import RunConfig
 from gymbridge.run.report import RunSummary, StepReport, group_rewards, payload_delta
 from gymbridge.run.rundir import RunDir, default_run_dir
-from gymbridge.run.timing import StepCounters, median_split, split_step
+from gymbridge.run.timing import StepCounters, generator_keys, median_split, split_step
 
 if TYPE_CHECKING:
     from types import TracebackType
 
     from gymbridge.bridge import BridgeIterator, TokenRateShaping
     from gymbridge.metrics import PayloadMeter
+    from gymbridge.run.evaluation import EvalPass, Validation
     from gymbridge.run.model import RunModel
     from gymbridge.run.services import Services
     from gymbridge.tensors import TrainBatch
@@ -137,6 +138,11 @@ class GRPORun:
         """When the current step's wall time began: the moment the previous step's record was made."""
         self._tail = {"artifacts": 0.0, "checkpoint": 0.0}
         """The previous step's reporting and checkpoint seconds (counted in the next step's split)."""
+        self.env_spec: Any = None
+        """What the run trains on (:meth:`_resolve_env`): an environment's spec, an
+        :class:`~gymbridge.run.userenv.EnvMix`, or ``None`` (agents of the user's own)."""
+        self.validation: Validation | None = None
+        """The run's validation (``eval:``; :mod:`gymbridge.run.evaluation`), ``None`` when off."""
 
     @classmethod
     def from_parts(
@@ -207,9 +213,12 @@ class GRPORun:
         await self._setup_services(spec)
         self._setup_dp()
         self._setup_bridge()
+        self._setup_eval(spec)
+        self.env_spec = spec
         for cb in self.callbacks:
             cb.on_setup(self)
         self._set_up = True
+        self._eval_at_setup()
 
     def _setup_run_dir(self) -> None:
         from gymbridge.trainer.checkpoint import latest_step
@@ -255,27 +264,43 @@ class GRPORun:
             self.run_dir.write_config(cfg.model_dump(mode="json"))
 
     def _resolve_env(self) -> Any:
-        """The environment's spec (``None``: an agent of the user's own holds the environment)."""
-        from gymbridge.run.userenv import resolve_env
+        """The environment's spec; an :class:`~gymbridge.run.userenv.EnvMix` for ``env.mix``; ``None``
+        when agents of the user's own hold the environments (``env.agent_url``, ``env.head_url``)."""
+        from gymbridge.run.userenv import resolve_env, resolve_mix
 
         cfg = self.config
-        if cfg.env.agent_url is not None:
+        if cfg.env.agent_url is not None or cfg.env.head_url is not None:
             return None
+        if cfg.env.mix:
+            return resolve_mix(cfg.env)
         if cfg.env.name is None:
-            raise ConfigError(["env.name: what to train on: --env NAME|module:Class, or --agent-url URL"])
+            raise ConfigError(
+                [
+                    "env.name: what to train on: --env NAME|module:Class, or --agent-url URL (or "
+                    "--head-url URL, or env.mix)"
+                ]
+            )
         return resolve_env(cfg.env.name)
 
     def _setup_data(self, spec: Any) -> None:
         from gymbridge.run.data import resume_dataset, write_run_dataset
-        from gymbridge.run.userenv import UserEnv
+        from gymbridge.run.userenv import EnvMix, UserEnv
 
         cfg = self.config
         kept = resume_dataset(self.run_dir, progress=self.say) if self._resuming else None
         if kept is not None:  # a reference is re-checked: ResumeError if the file changed
             self.say(kept)
             return
+        if cfg.data.path is None and isinstance(spec, EnvMix) and not spec.has_generator:
+            without = [f"{e.label} ({e.spec.name})" for e in spec.envs if not e.has_generator]
+            raise ConfigError(
+                [
+                    f"env.mix: {', '.join(without)} has no data generator; give data.path (NeMo Gym rows, "
+                    "each with the agent_ref of its environment: --dataset)"
+                ]
+            )
         if cfg.data.path is None and (spec is None or isinstance(spec, UserEnv)):
-            where = cfg.env.agent_url or cfg.env.name
+            where = cfg.env.agent_url or cfg.env.head_url or cfg.env.name
             raise ConfigError([f"{where}: no data generator here; give data.path (NeMo Gym rows: --dataset)"])
         self.say(write_run_dataset(cfg, spec, self.run_dir, progress=self.say))
 
@@ -502,6 +527,71 @@ class GRPORun:
         )
         self._stack.push_async_callback(self.bridge.aclose)
 
+    def _setup_eval(self, spec: Any) -> None:
+        """Validation (``eval:``): its prompts, over the rollout path the bridge uses."""
+        from gymbridge.bridge.sources import unmetered
+        from gymbridge.run.evaluation import Validation, eval_rows
+
+        cfg = self.config
+        if not cfg.eval.enabled:
+            return
+        rows = eval_rows(cfg, spec)
+        self.validation = Validation(
+            cfg,
+            rows,
+            unmetered(self.services.source),  # validation's requests stay out of the payload table
+            self.run_dir,
+            default_env=cfg.env_label,
+        )
+        self._stack.push_async_callback(self.validation.cancel)  # popped before the services stop
+        e = cfg.eval
+        where = e.data if e.data is not None else f"generated at seed {cfg.seed + 1}"
+        plan = ", ".join(
+            text
+            for on, text in (
+                (e.at_start, "at start"),
+                (e.every > 0, f"every {e.every} step(s)"),
+                (e.final, "at the end"),
+            )
+            if on
+        )
+        self.say(
+            f"validation: {len(rows)} prompt(s) x {e.n} ({where}), temperature "
+            f"{self.validation.temperature:g}, {plan}; -> {self.run_dir.eval_path}"
+        )
+
+    def _eval_at_setup(self) -> None:
+        """Start the pass before step 1 (``eval.at_start``), or the one a resumed run's checkpoint
+        step was due and ``eval.jsonl`` does not hold (the run stopped before it was written)."""
+        if self.validation is None:
+            return
+        done = self.first_step - 1
+        recorded = {r.get("step") for r in self.run_dir.iter_eval()}
+        if self.validation is not None:
+            self.validation.evaluated_steps.update(s for s in recorded if isinstance(s, int))
+        if done == 0 and self.config.eval.at_start and 0 not in recorded:
+            self.validation.start(step=0, version=self.version, when="start")
+        elif done > 0 and self.validation.due(done):
+            self.say(f"validation: the pass after step {done} is not in eval.jsonl; running it now")
+            self.validation.start(step=done, version=self.version, when="every")
+
+    async def _settle_eval(self) -> float:
+        """Wait for the running validation pass, report it; returns the seconds waited."""
+        if self.validation is None or not self.validation.running:
+            return 0.0
+        waited = await self.validation.settle()
+        done = self.validation.last
+        assert done is not None
+        await asyncio.to_thread(self._report_eval, done)
+        return waited
+
+    def _report_eval(self, done: EvalPass) -> None:
+        from gymbridge.run.evaluation import describe_pass
+
+        self.say(describe_pass(done.record))
+        for cb in self.callbacks:
+            cb.on_eval(done.record, done.rollouts)
+
     # ------------------------------------------------------------------ the loop
     async def step(self) -> StepReport | None:
         """One step (module docstring); ``None`` when the data ran out."""
@@ -522,7 +612,10 @@ class GRPORun:
         sync_s = 0.0
         sync_bytes = 0
         published = False
+        eval_wait_s = 0.0
         if metrics.skipped is None:  # the optimizer stepped: a new policy version
+            # a validation pass runs at one version: the next publication waits for it (only it)
+            eval_wait_s = await self._settle_eval()
             self.version += 1
             if self._publish is not None:
                 sync_s = await asyncio.to_thread(self._publish, self.version)
@@ -560,7 +653,7 @@ class GRPORun:
                 forward_backward_s=metrics.forward_backward_s,
                 optimizer_s=metrics.optimizer_s,
                 update_s=trained - batched,
-                weight_sync_s=synced - trained,
+                weight_sync_s=synced - trained - eval_wait_s,  # the wait is in `other`
                 artifacts_s=self._tail["artifacts"],
                 checkpoint_s=self._tail["checkpoint"],
             ),
@@ -568,8 +661,11 @@ class GRPORun:
             # kl_reference read now: fsdp workers take the reference after setup ("sharded")
             trainer={**self._trainer_keys, "kl_reference": self.trainer.kl_reference},
             counters_unavailable=self.counters.unavailable,
+            generator=generator_keys(model_delta),
         )
         record = report.record()
+        if self.validation is not None:
+            record["eval_wait_s"] = round(eval_wait_s, 6)
         reporting = time.perf_counter()
         await asyncio.to_thread(self._report, report, record)
         checkpointing = time.perf_counter()
@@ -579,6 +675,11 @@ class GRPORun:
             "artifacts": checkpointing - reporting,
             "checkpoint": time.perf_counter() - checkpointing,
         }
+        if self.validation is not None and self.validation.due(step):
+            if self.validation.running:  # a skipped step published nothing: the pass is still at v
+                await self._settle_eval()
+            last = step == cfg.steps
+            self.validation.start(step=step, version=self.version, when="end" if last else "every")
         return report
 
     def _report(self, report: StepReport, record: dict[str, Any]) -> None:
@@ -652,6 +753,12 @@ class GRPORun:
         last = self.next_step - 1
         if last >= self.first_step and self._checkpointed != last:
             await self.save_checkpoint(last)  # a run's last step always has its checkpoint
+        await self._settle_eval()
+        v = self.validation
+        final = v is not None and self.config.eval.final and self.first_step <= last
+        if v is not None and final and last not in v.evaluated_steps:  # the data ran out before the end
+            v.start(step=last, version=self.version, when="end")
+            await self._settle_eval()
         await self._finish()
         return self.summary
 
@@ -673,6 +780,16 @@ class GRPORun:
                 )
             else:
                 self.say(f"\nenv reward {first:.3f} -> {last:.3f} over {s.steps_done} steps")
+        stats = self.bridge.stats  # per environment: the rows that named one (agent_ref)
+        for env in sorted({*s.env_reward_spans, *stats.env_rollouts_ok, *stats.env_rollouts_failed}):
+            span = s.env_reward_spans.get(env)
+            rewards = (
+                f"reward {span[0]:.3f} -> {span[1]:.3f} over the {span[2]} step(s) that trained it"
+                if span is not None
+                else "no step trained it"
+            )
+            ok, failed = stats.env_rollouts_ok.get(env, 0), stats.env_rollouts_failed.get(env, 0)
+            self.say(f"  env {env}: {rewards}; {ok} rollouts ok, {failed} failed")
         split = median_split(s.step_seconds)
         if split:
             self.say("\n" + split)

@@ -174,6 +174,17 @@ class RunDir:
         if created:
             self._sync(self.path)  # the new file's directory entry
 
+    def append_eval(self, record: Mapping[str, Any]) -> None:
+        """Append one validation pass's record to ``eval.jsonl`` (a whole line in one write, synced)."""
+        with self.eval_path.open("ab") as f:
+            f.write(orjson.dumps(record, default=str, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def iter_eval(self) -> Iterator[dict[str, Any]]:
+        """The records of ``eval.jsonl``, read line by line (none when the run never validated)."""
+        return _json_lines(self.eval_path)
+
     @staticmethod
     def _sync(path: Path) -> None:
         """fsync ``path`` (a file or a directory): what any process wrote to it is on disk."""
@@ -207,22 +218,26 @@ class RunDir:
     def rewind(self, *, last_step: int, done_task_indices: Iterable[int]) -> int:
         """Set aside what happened after a checkpoint; returns the number of lines moved.
 
-        Metrics of steps after ``last_step`` (and lines that do not parse, torn by a crash) move to
-        ``metrics.rewound.jsonl``; failure records of rows not in ``done_task_indices`` move to
-        ``failures.rewound.jsonl``. Nothing is deleted.
+        Metrics and validation passes of steps after ``last_step`` (and lines that do not parse,
+        torn by a crash) move to ``metrics.rewound.jsonl`` / ``eval.rewound.jsonl``; failure records
+        of rows not in ``done_task_indices`` move to ``failures.rewound.jsonl``. Nothing is deleted.
         """
         done = done_task_indices if isinstance(done_task_indices, RowSet) else RowSet(done_task_indices)
         moved = self._split_tail(
             self.metrics_path, lambda r: isinstance(r.get("step"), int) and r["step"] <= last_step
         )
         moved += self._split(self.failures_path, lambda r: r.get("task_index") in done)
+        moved += self._split_tail(  # validation passes follow their step: a pass after last_step goes
+            self.eval_path, lambda r: isinstance(r.get("step"), int) and r["step"] <= last_step
+        )
         return moved
 
     def set_aside(self) -> int:
         """Move every metrics and failure line to the ``*.rewound.jsonl`` files (a run started afresh
         in a directory whose earlier attempt left no checkpoint); returns the number of lines moved."""
-        return self._split(self.metrics_path, lambda r: False) + self._split(
-            self.failures_path, lambda r: False
+        return sum(
+            self._split(path, lambda r: False)
+            for path in (self.metrics_path, self.failures_path, self.eval_path)
         )
 
     def _split(self, path: Path, keep: Any) -> int:
