@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from run_helpers import quiet_train, run_config
 
@@ -322,3 +323,37 @@ def test_regression_structured_answers_vote_without_crashing() -> None:
     )
     assert record["metrics"]["majority@3/accuracy"] == 100.0  # the two equal objects outvote ["x"]
     assert lines[0]["answer"] == {"b": 1, "a": [2]}  # the line keeps the answer as the result gave it
+
+
+async def test_gymbridge_eval_scores_a_running_agent_and_records_its_failures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gymbridge.server import SimpleAgent, start_server
+    from gymbridge.testing.scripted_model import ScriptedModelServer
+    from gymbridge_envs.color_pick.data import generate
+    from gymbridge_envs.color_pick.server import ColorPickServer
+
+    rows = list(generate(2, 0))  # one red row, one blue
+    bad_row = {**rows[0]}
+    del bad_row["color"]  # the environment refuses it: every sample of it fails
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [*rows, bad_row]))
+    env = await start_server(ColorPickServer())
+    model = ScriptedModelServer(["red"] * 100)  # always red: the red row scores 1, the blue one 0
+    await model.start()
+    agent = await start_server(SimpleAgent(resources_url=env.url, model_url=model.url, max_steps=1))
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--agent-url", agent.url, "--data", str(dataset), "-n", "2", "--out", str(out)]
+    try:
+        rc = await asyncio.to_thread(main, [*argv, "--rollouts", str(tmp_path / "r.jsonl")])
+    finally:
+        await agent.stop()
+        await model.stop()
+        await env.stop()
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert record["prompts"] == 3 and record["rollouts_ok"] == 4 and record["rollouts_failed"] == 2
+    assert record["metrics"]["pass@2/accuracy"] == 50.0 and record["reward_mean"] == 0.5
+    failed = [r for r in _lines(tmp_path / "r.jsonl") if not r["ok"]]
+    assert [r["task_index"] for r in failed] == [2, 2] and all(r["failure_class"] for r in failed)
+    assert "2 rollout(s) FAILED" in capsys.readouterr().out
