@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from gymbridge.models.tiny_omni import TinyOmni
     from gymbridge.models.tiny_vlm import TinyVLM
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # no per-example time limit (hypothesis's default is 200 ms): a loaded machine must not fail a

@@ -54,10 +54,16 @@ The step in detail and why replicate is an explicit all-reduce rather than DDP: 
 
 from __future__ import annotations
 
+import atexit
 import hashlib
+import ipaddress
 import logging
 import os
+import secrets
+import shutil
 import socket
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -123,25 +129,97 @@ def require_ray() -> Any:
     return ray
 
 
+RAY_AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""How a user chooses a Ray cluster's auth; a local run that finds any of them keeps it as given."""
+
+_ray_token_path: Path | None = None
+
+
+def _process_ray_token() -> Path:
+    """This process's Ray token file: 256 random bits, mode 0600 in a 0700 temp dir, removed at exit.
+
+    One per process rather than per ``ray.init``: Ray caches the token its driver first read, so a
+    second local cluster in the same process must take the same one.
+    """
+    global _ray_token_path
+    if _ray_token_path is None:
+        folder = Path(tempfile.mkdtemp(prefix="gymbridge-ray-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        path = folder / "auth_token"
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(secrets.token_hex(32))
+        _ray_token_path = path
+    return _ray_token_path
+
+
+def _is_loopback(host: str) -> bool:
+    """``127.0.0.0/8``, ``::1`` or their IPv4-mapped forms (how a dual-stack socket reports them)."""
+    ip = ipaddress.ip_address(host)
+    mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+    return (mapped or ip).is_loopback
+
+
+def _start_local_ray(ray: Any, num_cpus: int) -> None:
+    """A one-node Ray whose every process listens on 127.0.0.1, with token auth on.
+
+    Ray binds its gRPC servers (GCS, raylet, object manager, workers) and agents (dashboard,
+    runtime env, metrics export) to the node's address, loopback only when that address is
+    ``127.0.0.1``; ``ray.init`` turns ``127.0.0.1`` into the machine's outward address unless it
+    believes multi-node clusters are off, a flag it reads from the environment at import, so it is
+    switched off for the ``ray.init`` call only. Token auth: Ray turns it on for a new local cluster
+    (``RAY_AUTH_MODE=token``); the token is this process's (:func:`_process_ray_token`), passed by
+    path, so it is in no argv, log or run directory. Whatever the user set of
+    :data:`RAY_AUTH_ENV` is kept as it is.
+    """
+    if not any(name in os.environ for name in RAY_AUTH_ENV):
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(_process_ray_token())
+    # the workers' gloo pairs listen on the address of the host name unless given an interface
+    loopback = "lo0" if sys.platform == "darwin" else "lo"
+    worker_env = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": loopback}
+    constants = ray._private.ray_constants
+    multi_node = constants.ENABLE_RAY_CLUSTER
+    constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            runtime_env={"env_vars": worker_env},
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    finally:
+        constants.ENABLE_RAY_CLUSTER = multi_node
+    node_ip = str(ray.util.get_node_ip_address()) if ray.is_initialized() else None
+    if node_ip is not None and not _is_loopback(node_ip):  # fail closed if Ray changes its rules
+        ray.shutdown()
+        raise TrainingError(
+            f"the local Ray ({ray.__version__}) took node address {node_ip}, not 127.0.0.1: it "
+            "would listen on the network; set dp.ray_address to use a cluster you started"
+        )
+    if os.environ.get("RAY_AUTH_MODE", "").lower() != "token":
+        logger.warning(
+            "Ray %s started the local cluster without token auth (RAY_AUTH_MODE=%s): any process "
+            "of this machine can use it",
+            ray.__version__,
+            os.environ.get("RAY_AUTH_MODE", "unset"),
+        )
+
+
 def init_ray(num_cpus: int = 2, *, address: str | None = None) -> Any:
     """Start (or reuse) Ray and return ``ray``.
 
     ``address`` (a run's ``dp.ray_address``, e.g. ``"auto"`` or ``"ray://head:10001"``) joins an
-    existing cluster; without it a local Ray starts with ``num_cpus`` CPUs, no dashboard and
-    ``RAY_AUTH_MODE=disabled``.
+    existing cluster with whatever auth the environment gives for it (nothing is turned off);
+    without it a local Ray starts with ``num_cpus`` CPUs and no dashboard, listening on loopback
+    only, with token auth (:func:`_start_local_ray`; docs/security.md, "Ray").
     """
     ray = require_ray()
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if not ray.is_initialized():
         if address is not None:
             ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         else:
-            ray.init(
-                num_cpus=num_cpus,
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-                log_to_driver=False,
-            )
+            _start_local_ray(ray, num_cpus)
     return ray
 
 
@@ -233,15 +311,24 @@ class _GroupRank:
             return int(s.getsockname()[1])
 
     def join(self, host: str, port: int, backend: str, timeout_s: float) -> str:
-        """Join the DP group at ``tcp://host:port`` as this worker's rank; returns the backend."""
+        """Join the DP group whose store rank 0 hosts at ``host:port``; returns the backend.
+
+        Rank 0 listens on ``host`` alone (torch's own store would listen on every interface).
+        """
         import torch.distributed as dist
 
+        timeout = timedelta(seconds=timeout_s)
+        listen_fd = None
+        if self.rank == 0:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listen_fd = socket.create_server((host, port), family=family).detach()
+        from torch._C._distributed_c10d import TCPStore
+
+        store = TCPStore(
+            host, port, self.world_size, self.rank == 0, timeout=timeout, master_listen_fd=listen_fd
+        )
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{host}:{port}",
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            backend, store=store, rank=self.rank, world_size=self.world_size, timeout=timeout
         )
         return str(dist.get_backend())
 
