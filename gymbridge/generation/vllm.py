@@ -29,7 +29,16 @@ Invariants:
   load through ``load_weights`` (and only they make the swap reset the caches: vLLM keys KV blocks
   by adapter); every request submitted after the swap carries the version's ``LoRARequest`` (until
   the first adapter the engine serves the base), and an older adapter and its directory are
-  removed once no request carries it.
+  removed once no request carries it;
+* full weights from a trainer reach the workers through vLLM's own weight-transfer protocol where
+  the installed vLLM ships it (``vllm.distributed.weight_transfer``, detected by import:
+  :func:`weight_transfer_available`): :meth:`VLLMWeightSink.vllm_transfer` drives the engine's
+  ``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update`` inside a weight swap, with vLLM's NCCL engine (packed broadcast; the
+  trainer on other GPUs) or its CUDA IPC engine (the trainer on the workers' GPU), chosen per
+  trainer at the handshake. gymbridge's own buckets through ``collective_rpc`` remain for LoRA
+  adapters and for vLLM releases without that module. The trainer's side:
+  :mod:`gymbridge.trainer.vllm_transfer`.
 
 The tested vLLM version, the names used and the swap policy in detail: docs/generation.md, "vLLM,
 checked against the real package".
@@ -38,6 +47,7 @@ checked against the real package".
 from __future__ import annotations
 
 import asyncio
+import base64
 import itertools
 import logging
 import shutil
@@ -63,6 +73,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SUBMODEL_PREFIXES",
+    "TRANSFER_BACKENDS",
+    "VLLM_TRANSPORT",
     "VLLMGenerationError",
     "VLLMGenerator",
     "VLLMWeightSink",
@@ -70,13 +82,22 @@ __all__ = [
     "audio_for_vllm",
     "checkpoint_name",
     "collapse_placeholders",
+    "decode_ipc_handle",
+    "encode_ipc_handle",
     "generation_from_output",
     "import_vllm",
     "lora_layout_problems",
     "placeholder_token_ids",
+    "weight_transfer_available",
 ]
 
 _EXTENSION_PATH = "gymbridge.generation.vllm.WeightSyncWorkerExtension"
+
+VLLM_TRANSPORT = "vllm"
+"""The ``transport`` of ``/weights/*`` calls that speak vLLM's own weight-transfer protocol."""
+TRANSFER_BACKENDS: tuple[str, ...] = ("nccl", "ipc")
+"""vLLM weight-transfer engines gymbridge drives: NCCL (packed broadcast, separate GPUs) and CUDA IPC
+(the trainer on the workers' GPU)."""
 
 
 class VLLMGenerationError(GymbridgeError):
@@ -95,6 +116,130 @@ def import_vllm() -> Any:
     return vllm
 
 
+def weight_transfer_available() -> bool:
+    """Whether the installed vLLM ships its trainer-to-engine weight-transfer protocol
+    (``vllm.distributed.weight_transfer``: the request types ``AsyncLLM`` takes and the engine
+    factory the workers build from). Detected by import, not by version: without it (or without
+    vLLM) weights travel as gymbridge's own buckets through ``collective_rpc``."""
+    try:
+        from vllm.distributed.weight_transfer.base import (  # noqa: F401
+            WeightTransferInitRequest,
+            WeightTransferUpdateRequest,
+        )
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_IPC_FIELDS: tuple[str, ...] = (
+    "tensor_cls",
+    "tensor_size",
+    "tensor_stride",
+    "tensor_offset",
+    "storage_cls",
+    "dtype",
+    "storage_device",
+    "storage_handle",
+    "storage_size_bytes",
+    "storage_offset_bytes",
+    "requires_grad",
+    "ref_counter_handle",
+    "ref_counter_offset",
+    "event_handle",
+    "event_sync_required",
+)
+"""The arguments of ``torch.multiprocessing.reductions.rebuild_cuda_tensor``, in order: what
+``reduce_tensor`` returns for a CUDA tensor and what vLLM's IPC engine rebuilds each weight from
+(it overwrites ``storage_device``, index 6, with the receiving worker's)."""
+_IPC_BYTES = frozenset({"storage_handle", "ref_counter_handle", "event_handle"})
+_IPC_BOOLS = frozenset({"requires_grad", "event_sync_required"})
+
+
+def encode_ipc_handle(args: Sequence[Any]) -> dict[str, Any]:
+    """One CUDA IPC handle (``reduce_tensor(t)[1]``) as JSON: classes and the dtype by name, bytes
+    in base64. vLLM's own HTTP client pickles the handles instead, which its workers then unpickle
+    only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; this form needs neither (:func:`decode_ipc_handle`)."""
+    import torch
+
+    classes = _ipc_classes()
+    if len(args) != len(_IPC_FIELDS):
+        raise ValueError(f"a CUDA IPC handle has {len(_IPC_FIELDS)} fields, got {len(args)}")
+    out: dict[str, Any] = {}
+    for field, value in zip(_IPC_FIELDS, args, strict=True):
+        if field in classes:
+            names = [name for name, cls in classes[field].items() if cls is value]
+            if not names:
+                raise ValueError(f"IPC handle {field} must be one of {sorted(classes[field])}, got {value!r}")
+            out[field] = names[0]
+        elif field == "dtype":
+            out[field] = str(value).removeprefix("torch.")
+        elif field in ("tensor_size", "tensor_stride"):
+            out[field] = [int(v) for v in value]
+        elif field in _IPC_BYTES:
+            out[field] = None if value is None else base64.b64encode(bytes(value)).decode("ascii")
+        elif field in _IPC_BOOLS:
+            out[field] = bool(value)
+        else:
+            out[field] = int(value)
+    if not isinstance(getattr(torch, out["dtype"], None), torch.dtype):
+        raise ValueError(f"not a torch dtype: {out['dtype']!r}")
+    return out
+
+
+def decode_ipc_handle(data: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The ``rebuild_cuda_tensor`` arguments :func:`encode_ipc_handle` wrote; anything else (another
+    class, a field missing or of the wrong type) raises ``ValueError``."""
+    import torch
+
+    classes = _ipc_classes()
+    if not isinstance(data, Mapping) or set(data) != set(_IPC_FIELDS):
+        raise ValueError(f"a CUDA IPC handle is an object with exactly the fields {list(_IPC_FIELDS)}")
+    args: list[Any] = []
+    for field in _IPC_FIELDS:
+        value = data[field]
+        if field in classes:
+            if value not in classes[field]:
+                raise ValueError(f"IPC handle {field} must be one of {sorted(classes[field])}, got {value!r}")
+            args.append(classes[field][value])
+        elif field == "dtype":
+            dtype = getattr(torch, value, None) if isinstance(value, str) else None
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"IPC handle dtype must name a torch dtype, got {value!r}")
+            args.append(dtype)
+        elif field in ("tensor_size", "tensor_stride"):
+            if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
+                raise ValueError(f"IPC handle {field} must be a list of ints >= 0, got {value!r}")
+            args.append(torch.Size(value) if field == "tensor_size" else tuple(value))
+        elif field in _IPC_BYTES:
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"IPC handle {field} must be base64 text or null")
+            args.append(None if value is None else base64.b64decode(value, validate=True))
+        elif field in _IPC_BOOLS:
+            if not isinstance(value, bool):
+                raise ValueError(f"IPC handle {field} must be a boolean")
+            args.append(value)
+        else:
+            if not _is_int(value):
+                raise ValueError(f"IPC handle {field} must be an int, got {value!r}")
+            args.append(value)
+    return tuple(args)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _ipc_classes() -> dict[str, dict[str, Any]]:
+    """The classes a CUDA IPC handle may name, by field and name (torch imported lazily)."""
+    import torch
+
+    return {
+        "tensor_cls": {"Tensor": torch.Tensor, "Parameter": torch.nn.Parameter},
+        "storage_cls": {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage},
+    }
+
+
 class WeightSyncWorkerExtension:
     """Mixed into each vLLM worker (``worker_extension_cls``): loads new weights in place.
 
@@ -111,6 +256,11 @@ class WeightSyncWorkerExtension:
     model_runner: Any
     gymbridge_adapter: dict[str, Any]
     """Adapter tensors received since the last :meth:`gymbridge_write_adapter`, by peft file name."""
+    # vLLM's Worker's own (the extension is mixed into it): annotations only, never shadowed
+    vllm_config: Any
+    device: Any
+    weight_transfer_engine: Any
+    update_weights: Callable[[Any], None]
 
     def gymbridge_load_bucket(self, bucket: dict[str, Any], payload: bytes) -> int:
         """Load one bucket sent in-band: its layout (``Bucket.to_json()``) and its raw bytes.
@@ -187,6 +337,75 @@ class WeightSyncWorkerExtension:
         if not _writes_adapters():
             return False
         shutil.rmtree(path, ignore_errors=True)
+        return True
+
+    # -- vLLM's own weight transfer (``vllm.distributed.weight_transfer``; VLLMWeightSink.vllm_transfer)
+
+    def gymbridge_device_uuid(self) -> str:
+        """This worker's GPU's UUID as vLLM's IPC engine names it (``""`` off CUDA): a trainer on the
+        same GPU sends IPC handles, one elsewhere broadcasts over NCCL."""
+        import torch
+
+        device = self._gymbridge_device()
+        if device.type != "cuda":
+            return ""
+        return str(torch.cuda.get_device_properties(device).uuid)
+
+    def gymbridge_use_weight_transfer(self, backend: str) -> str:
+        """Make this worker's ``weight_transfer_engine`` vLLM's engine for ``backend`` (``nccl``,
+        ``ipc``), built by vLLM's ``WeightTransferEngineFactory`` as the worker builds the one its
+        ``weight_transfer_config`` names; an engine of another backend is shut down first. Returns
+        the engine's class name."""
+        from vllm.config.weight_transfer import WeightTransferConfig
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+        if backend not in TRANSFER_BACKENDS:
+            raise WeightSyncError(f"weight transfer backend must be one of {list(TRANSFER_BACKENDS)}")
+        current = getattr(self, "weight_transfer_engine", None)
+        if current is not None and getattr(current.config, "backend", None) == backend:
+            return type(current).__name__
+        if current is not None:
+            current.shutdown()
+        self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+            WeightTransferConfig(backend=backend),
+            self.vllm_config,
+            self.device,
+            self.model_runner.get_model(),
+        )
+        return type(self.weight_transfer_engine).__name__
+
+    def gymbridge_checkpoint_names(self, names: list[str]) -> list[str]:
+        """Each trainer name as this worker's model loads it (:func:`checkpoint_name`): vLLM's engines
+        hand the names they receive to ``load_weights`` unchanged."""
+        model = self.model_runner.model
+        return [checkpoint_name(model, n) for n in names]
+
+    def gymbridge_update_weights_ipc(self, update_info: dict[str, Any]) -> int:
+        """vLLM's ``Worker.update_weights`` with the IPC handles decoded (:func:`decode_ipc_handle`):
+        ``collective_rpc`` carries them as JSON, vLLM's IPC engine rebuilds tensors from the
+        decoded arguments. Returns how many tensors the update named."""
+        info = dict(update_info)
+        handles = info.get("ipc_handles")
+        if isinstance(handles, list):
+            info["ipc_handles"] = [{uuid: decode_ipc_handle(a) for uuid, a in h.items()} for h in handles]
+        elif isinstance(handles, dict):
+            info["ipc_handles"] = {uuid: decode_ipc_handle(a) for uuid, a in handles.items()}
+        else:
+            raise WeightSyncError("an IPC weight update carries 'ipc_handles' (a list, or one packed handle)")
+        self.update_weights(info)
+        return len(info.get("names") or ())
+
+    def gymbridge_abort_weight_update(self) -> bool:
+        """After a failed ``update_weights``: finish the engine's layerwise reload (layers that got
+        nothing get their weights back) and leave no update active; ``False`` without an engine."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is None:
+            return False
+        try:
+            engine.finish_weight_update()
+        finally:
+            engine.reset_weight_update_target()
+            self._weight_update_active = False
         return True
 
     def _gymbridge_device(self) -> Any:
@@ -381,6 +600,10 @@ class VLLMGenerator:
     ``processor``, else from the processor saved with ``model`` unless
     ``load_processor=False``; it parses tool calls in ``tool_parser``'s format
     (:mod:`gymbridge.generation.tool_calls`; ``auto``: the one the chat template writes).
+    ``weight_transfer_backend`` (``nccl``, the default, or ``ipc``; ``None``: off) is the engine arg
+    ``weight_transfer_config`` set where vLLM ships its weight-transfer protocol and
+    ``engine_args`` name none (so vLLM builds with runtime weight updates in mind); a trainer may
+    still switch the backend at its handshake (:meth:`VLLMWeightSink.vllm_transfer`).
     """
 
     continuous_batching = True
@@ -398,6 +621,7 @@ class VLLMGenerator:
         reasoning_parser: bool = True,
         tool_parser: str = "auto",
         suppress_token_ids: Sequence[int] | None = None,
+        weight_transfer_backend: str | None = "nccl",
     ) -> None:
         self.model_name = model
         self._vllm = import_vllm()
@@ -406,6 +630,11 @@ class VLLMGenerator:
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": _EXTENSION_PATH,
         }
+        transfer = weight_transfer_backend is not None and weight_transfer_available()
+        if transfer:
+            if weight_transfer_backend not in TRANSFER_BACKENDS:
+                raise ValueError(f"weight_transfer_backend must be one of {list(TRANSFER_BACKENDS)} or None")
+            args["weight_transfer_config"] = {"backend": weight_transfer_backend}
         args.update(engine_args or {})
         if max_model_len is not None:
             args["max_model_len"] = max_model_len
@@ -414,6 +643,8 @@ class VLLMGenerator:
 
             engine = AsyncLLM.from_engine_args(self._vllm.AsyncEngineArgs(**args))
         self.engine = engine
+        self.weight_transfer: bool = transfer and callable(getattr(engine, "start_weight_update", None))
+        """Whether the engine takes vLLM's weight-transfer protocol (:meth:`VLLMWeightSink.vllm_transfer`)."""
         self.max_model_len: int = int(
             max_model_len or getattr(getattr(engine, "model_config", None), "max_model_len", 0) or 32768
         )
@@ -749,6 +980,13 @@ class VLLMGenerator:
         await self.engine.reset_encoder_cache()
 
 
+def _timeout(body: Mapping[str, Any]) -> float:
+    value = body.get("timeout_s", 120.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 86_400:
+        raise ValueError(f"'timeout_s' must be a number of seconds in (0, 86400], got {value!r}")
+    return float(value)
+
+
 def lora_layout_problems(names: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
     """Every way the tensor ``names`` of one publication are not what a LoRA trainer with ``settings``
     sends vLLM; ``[]`` if none.
@@ -794,6 +1032,10 @@ class VLLMWeightSink:
     the model does not know fails inside ``load_weights`` and the version is marked failed.
     A LoRA trainer's settings (:meth:`prepare_lora`, before :meth:`check`) make each version an
     adapter registered through vLLM's LoRA path (:meth:`VLLMGenerator.load_version`).
+
+    Where the engine speaks vLLM's own weight-transfer protocol (:attr:`speaks_vllm_transfer`), a
+    trainer of full weights uses :meth:`vllm_transfer` instead (``transport: "vllm"`` on the
+    ``/weights/*`` routes; :mod:`gymbridge.trainer.vllm_transfer`).
     """
 
     def __init__(self, generator: VLLMGenerator) -> None:
@@ -801,6 +1043,197 @@ class VLLMWeightSink:
         config = getattr(getattr(generator.engine, "vllm_config", None), "parallel_config", None)
         self.ranks = int(getattr(config, "world_size", 1) or 1)
         self._store: Any = None
+        self.transfer_backend: str | None = None
+        """The vLLM weight-transfer engine a trainer set up (``nccl`` / ``ipc``; ``None``: none)."""
+        self._transfer_names: dict[str, str] = {}  # trainer name -> the name load_weights takes
+
+    @property
+    def transport(self) -> str:
+        """``vllm`` once a trainer set up vLLM's weight transfer, else ``broadcast`` (``/weights/status``)."""
+        return VLLM_TRANSPORT if self.transfer_backend is not None else "broadcast"
+
+    @property
+    def speaks_vllm_transfer(self) -> bool:
+        """Whether a trainer may publish through vLLM's own weight-transfer protocol
+        (:meth:`vllm_transfer`; ``/weights/status`` reports it)."""
+        return bool(getattr(self.generator, "weight_transfer", False))
+
+    async def vllm_transfer(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One call of vLLM's weight-transfer protocol, by ``body["step"]``:
+
+        * ``probe``: ``{"backends", "gpu_uuids" (one per worker), "ranks", "policy_version"}``, what
+          the trainer picks its backend from (its GPU among the workers': ``ipc``, else ``nccl``);
+        * ``init`` (``backend``, ``init_info``: vLLM's worker init info as the trainer's engine
+          builds it, ``tensors``: the layout, ``timeout_s``): every worker gets vLLM's engine for
+          ``backend`` and ``AsyncLLM.init_weight_transfer_engine`` runs (with NCCL it returns once
+          the trainer has joined the group);
+        * ``update`` (``version``, ``update_info``: vLLM's update info, ``timeout_s``): inside a
+          :meth:`VLLMGenerator.swap_weights`, ``start_weight_update``, ``update_weights`` (IPC
+          handles decoded on the workers: ``gymbridge_update_weights_ipc``), ``finish_weight_update``;
+          answers once the version is live.
+
+        Refused (``ValueError`` for a malformed body, :class:`WeightSyncError` otherwise): an engine
+        without the protocol, a LoRA publication (adapters keep gymbridge's adapter path), an
+        update before ``init``, an older version, names outside the layout sent at ``init``.
+        """
+        if not self.speaks_vllm_transfer:
+            raise WeightSyncError(
+                "this vLLM engine does not speak vLLM's weight-transfer protocol "
+                "(vllm.distributed.weight_transfer): publish with transport 'broadcast'"
+            )
+        step = body.get("step")
+        if step == "probe":
+            return await self._transfer_probe()
+        if step == "init":
+            return await self._transfer_init(body)
+        if step == "update":
+            return await self._transfer_update(body)
+        raise ValueError(f"'step' must be 'probe', 'init' or 'update', got {step!r}")
+
+    async def _transfer_probe(self) -> dict[str, Any]:
+        uuids = await self.generator.engine.collective_rpc("gymbridge_device_uuid")
+        return {
+            "transport": VLLM_TRANSPORT,
+            "backends": list(TRANSFER_BACKENDS),
+            "gpu_uuids": [str(u) for u in uuids or ()],
+            "ranks": self.ranks,
+            "policy_version": self.policy_version,
+        }
+
+    async def _transfer_init(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        from gymbridge.generation.weights import TensorSpec
+
+        backend, init_info, tensors = body.get("backend"), body.get("init_info"), body.get("tensors")
+        if backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"'backend' must be one of {list(TRANSFER_BACKENDS)}, got {backend!r}")
+        if not isinstance(init_info, dict) or not isinstance(tensors, list):
+            raise ValueError("'init_info' (vLLM's worker init info) must be an object, 'tensors' a list")
+        if body.get("lora") is not None:
+            raise WeightSyncError(
+                "vLLM's weight transfer carries full weights: a LoRA trainer's adapters keep gymbridge's "
+                "adapter path (transport 'broadcast')"
+            )
+        if backend == "nccl" and (init_info.get("rank_offset"), init_info.get("world_size")) != (
+            1,
+            1 + self.ranks,
+        ):
+            raise ValueError(
+                f"NCCL init_info must put the workers after the trainer: rank_offset 1, world_size "
+                f"{1 + self.ranks} (this engine has {self.ranks} workers)"
+            )
+        specs = [TensorSpec.from_json(t) for t in tensors]
+        self.generator.prepare_lora(None)
+        self.check(specs)
+        timeout_s = _timeout(body)
+        engine = self.generator.engine
+        names = [s.name for s in specs]
+        answers = await engine.collective_rpc("gymbridge_checkpoint_names", args=(names,))
+        self.transfer_backend = None
+        self._transfer_names = dict(zip(names, answers[0], strict=True))
+        await engine.collective_rpc("gymbridge_use_weight_transfer", args=(backend,))
+        request = WeightTransferInitRequest(init_info=dict(init_info))
+        try:
+            await asyncio.wait_for(engine.init_weight_transfer_engine(request), timeout_s)
+        except WeightSyncError:
+            raise
+        except TimeoutError as exc:
+            raise WeightSyncError(
+                f"the trainer did not join vLLM's {backend} weight transfer within {timeout_s:g}s"
+            ) from exc
+        except Exception as exc:  # vLLM's (a refused init info, a failed rendezvous)
+            raise WeightSyncError(
+                f"vLLM's {backend} weight transfer init failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        self.transfer_backend = backend
+        logger.info(
+            "vLLM weight transfer ready (%s, %d workers, %d tensors)", backend, self.ranks, len(specs)
+        )
+        return {"status": "ready", "transport": VLLM_TRANSPORT, "backend": backend, "ranks": self.ranks}
+
+    async def _transfer_update(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        backend = self.transfer_backend
+        if backend is None:
+            raise WeightSyncError("no vLLM weight transfer set up: send step 'init' first")
+        version = body.get("version")
+        if not isinstance(version, int) or isinstance(version, bool) or version < self.policy_version:
+            raise ValueError(f"'version' must be an int >= the loaded version {self.policy_version}")
+        info = self._transfer_update_info(body.get("update_info"), backend)
+        timeout_s = _timeout(body)
+        engine = self.generator.engine
+        started = time.perf_counter()
+
+        async def load() -> None:
+            await engine.start_weight_update()
+            try:
+                if backend == "ipc":
+                    await engine.collective_rpc("gymbridge_update_weights_ipc", args=(info,))
+                else:
+                    await engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+            except BaseException:
+                try:
+                    await engine.collective_rpc("gymbridge_abort_weight_update")
+                except Exception as exc:  # the update's own error is the one to report
+                    logger.warning("could not end the failed vLLM weight update: %s", exc)
+                raise
+            await engine.finish_weight_update()
+
+        async def timed_load() -> None:
+            try:
+                await asyncio.wait_for(load(), timeout_s)
+            except TimeoutError as exc:
+                raise WeightSyncError(f"vLLM's {backend} weight update took over {timeout_s:g}s") from exc
+
+        try:
+            await self.generator.swap_weights(timed_load, version=version)
+        except WeightSyncError:
+            raise
+        except Exception as exc:  # vLLM's (a loader's assertion, an NCCL error): one error type for the route
+            raise WeightSyncError(
+                f"vLLM's {backend} weight update failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        seconds = time.perf_counter() - started
+        count = len(info.get("names") or ())
+        logger.info("loaded version %d through vLLM's %s weight transfer (%.3fs)", version, backend, seconds)
+        return {
+            "status": "loaded",
+            "version": version,
+            "backend": backend,
+            "tensors": count,
+            "seconds": seconds,
+        }
+
+    def _transfer_update_info(self, raw: Any, backend: str) -> dict[str, Any]:
+        """vLLM's update info with every name as the model loads it; checked before any tensor moves."""
+        import torch
+
+        if not isinstance(raw, dict):
+            raise ValueError("'update_info' (vLLM's update info) must be an object")
+        info = dict(raw)
+        names, dtypes, shapes = info.get("names", []), info.get("dtype_names", []), info.get("shapes", [])
+        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
+            raise ValueError("'names', 'dtype_names' and 'shapes' must be lists")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{len(names)} names, {len(dtypes)} dtype_names and {len(shapes)} shapes")
+        if backend == "ipc" and not names:
+            raise ValueError("an IPC update names its tensors")
+        unknown = [n for n in names if n not in self._transfer_names]
+        if unknown:
+            raise WeightSyncError(f"{len(unknown)} tensor(s) outside the layout sent at init: {unknown[:3]}")
+        bad = [
+            d
+            for d in dtypes
+            if not isinstance(d, str) or not isinstance(getattr(torch, d, None), torch.dtype)
+        ]
+        if bad:
+            raise ValueError(f"'dtype_names' must name torch dtypes, got {bad[:3]}")
+        if any(not isinstance(s, list) or not all(_is_int(d) and d >= 0 for d in s) for s in shapes):
+            raise ValueError("'shapes' must be lists of ints >= 0")
+        info["names"] = [self._transfer_names[n] for n in names]
+        return info
 
     @property
     def policy_version(self) -> int:
