@@ -23,8 +23,10 @@ Invariants:
 * media placeholder and vision boundary tokens are never sampled (logits ``-inf`` before
   temperature / top-p); :meth:`score_sync` / :meth:`processed_logprobs` apply the same mask, as the
   trainer does (docs/generation.md, "Media tokens are never sampled");
-* ``policy_version`` is read under the lock weight publishers replace the weights under
-  (:attr:`HFGenerator.weights_lock`), so a generation's version is that of its weights;
+* a generate or scoring call is one use of the generator's :class:`~gymbridge.generation.weights.WeightGate`
+  (:attr:`HFGenerator.weights_lock`): a publication staged meanwhile is swapped in as the call
+  ends, and calls starting while it is pending wait for it, so every token of a generation comes
+  from the weights of the ``policy_version`` it reports (read during the call);
 * :meth:`HFGenerator.from_pretrained` loads safetensors weights only: a directory with only
   pickle weights (``pytorch_model.bin``) is refused before anything is read
   (:func:`check_safetensors_weights`), since unpickling runs code from the file.
@@ -36,7 +38,6 @@ import asyncio
 import inspect
 import logging
 import random
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -54,6 +55,7 @@ from gymbridge.generation.types import (
     media_special_token_ids,
     row_seeds,
 )
+from gymbridge.generation.weights import WeightGate
 from gymbridge.trajectory.types import GenerationInput
 
 if TYPE_CHECKING:
@@ -276,8 +278,8 @@ class HFGenerator:
         self._generate_takes_model_defaults = (
             "use_model_defaults" in inspect.signature(model.generate).parameters
         )
-        # a thread lock taken inside the worker thread: not bound to any event loop
-        self._lock = threading.Lock()
+        # entered inside the worker thread: not bound to any event loop
+        self._lock = WeightGate()
         self._media_cache: MediaCache | None = None
         self.policy_version: int = 0
         """Version of the weights now in :attr:`model` (0: the initial weights)."""
@@ -392,8 +394,9 @@ class HFGenerator:
         return [g for g in out if g is not None]
 
     @property
-    def weights_lock(self) -> threading.Lock:
-        """Held while a forward pass runs: whoever replaces the weights takes it first."""
+    def weights_lock(self) -> WeightGate:
+        """Held for a whole generate or scoring call; publications stage their swap with it
+        (:meth:`~gymbridge.generation.weights.WeightGate.stage`) instead of waiting for the call."""
         return self._lock
 
     def _generate_locked(

@@ -3,11 +3,14 @@
 The trainer (:class:`SharedWeightsWriter`) creates **two** segments in ``/dev/shm``, each
 holding every weight of the layout once; the generator's process maps both **read-only**
 (:class:`SharedWeightsReader`). A sync writes the new version into the segment the generator
-is *not* using (one copy, while generation keeps running on the other), then the generator,
-under its weights lock, points its parameters at the written segment (a pointer swap per
-tensor, no copy) and takes the new version. The next sync writes the other segment, which
-no generation uses any more. No bytes cross a socket and nothing is deserialised: a segment
-is raw tensor bytes at offsets both sides compute from the layout (:func:`segment_offsets`).
+is *not* using (one copy, while generation keeps running on the other): that segment is the
+sync's staging. Then the generator stages the swap with its
+:class:`~gymbridge.generation.weights.WeightGate`: at its next generation boundary (at once when
+idle) it points its parameters at the written segment (a pointer swap per tensor, no copy) and
+takes the new version. The trainer writes the other segment next, once that swap is live (the
+server's ``policy_version``), so no generation uses it any more. No bytes cross a socket and
+nothing is deserialised: a segment is raw tensor bytes at offsets both sides compute from the
+layout (:func:`segment_offsets`).
 
 Handshake (what makes opening a named segment safe):
 
@@ -26,7 +29,7 @@ Handshake (what makes opening a named segment safe):
   mid-sync.
 
 Invariants: the generator never reads a segment while it is written (the trainer writes only
-the segment the generator left at the previous swap, and a swap waits for generations in
+the segment the generator left at a swap that is live, and a swap waits for the generation in
 flight); the generator's parameters over a segment are read-only memory (a stray in-place
 write faults instead of corrupting the trainer's next version); CPU models only.
 """

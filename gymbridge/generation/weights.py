@@ -17,6 +17,18 @@ workers (:class:`~gymbridge.generation.vllm.WeightSyncWorkerExtension`) receive.
   (:class:`BucketBuffers`, kept between syncs so their pages are not faulted in again), which
   lets packing bucket ``i + 1`` overlap the broadcast of bucket ``i`` on the sender, and
   unpacking ``i`` overlap receiving ``i + 1`` on the receiver.
+* **The swap** ("pause at a generation boundary, swap, resume"). A publication lands in
+  *staging* first, without the generator's :class:`WeightGate`, so the trainer's side (the
+  broadcast every group member must enter) never waits for a running generate call. The
+  receiver broadcasts straight into one flat staging tensor per bucket (kept between syncs for
+  an unchanged plan): one extra copy of the published weights on the model's device, at most
+  ``staging_bytes`` (:data:`DEFAULT_STAGING_BYTES`); a larger publication falls back to being
+  received into the live model at a generation boundary, generation paused meanwhile. Then
+  :meth:`WeightGate.stage` hands over the swap (a copy from staging, memcpy-bound, that also sets
+  the version): at once when no generation runs, else when the running one ends; new
+  generations wait while it is pending, so every generation, every token of it, runs on the one
+  version it reports. The receiver's store mark ``ok`` means *staged*: any generation starting
+  after it runs on that version; ``policy_version`` (and ``/weights/status``) is the live one.
 * **The group.** :func:`open_weight_group` builds a two-member (or larger) process group from
   a ``TCPStore`` (:func:`weight_store`) directly (``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA),
   without ``init_process_group``: torch's default group stays free for the trainer's own
@@ -31,7 +43,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Protocol
@@ -45,9 +57,11 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DEFAULT_ALONE_BYTES",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_STAGING_BYTES",
     "Bucket",
     "BucketBuffers",
     "TensorSpec",
+    "WeightGate",
     "WeightGroup",
     "WeightReceiver",
     "WeightSink",
@@ -66,6 +80,7 @@ __all__ = [
     "published_weights",
     "raise_on_problems",
     "single_tensor",
+    "weight_gate",
     "weight_store",
 ]
 
@@ -75,6 +90,10 @@ afterthought next to the model's own memory."""
 DEFAULT_ALONE_BYTES = 1024 * 1024
 """1 MiB: entries this large are broadcast on their own, straight from and into the tensors
 (a collective's fixed cost is ~0.1 ms on loopback gloo, a 1 MiB copy about as much)."""
+DEFAULT_STAGING_BYTES = 8 * 1024**3
+"""8 GiB: the largest staged copy of a publication a generator keeps (a 4B-parameter model in
+bf16); a larger one is copied into the live model at a generation boundary instead (module
+docstring, "The swap")."""
 
 Backend = Literal["gloo", "nccl"]
 GROUP_NAME = "gymbridge-weights"
@@ -458,14 +477,100 @@ def _model_device(model: Any) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+class WeightGate:
+    """Who uses a generator's weights, and when new ones go in (module docstring, "The swap").
+
+    ``with gate:`` is one *use* (a generate or scoring call, an in-place change of the model): it
+    waits while another use runs or a swap is pending, one use at a time. :meth:`stage` hands over
+    a swap (a callable that copies staged weights into the model and sets its version): applied
+    at once when no use runs, else by the running use as it ends, before any other starts; it
+    never waits for a use. Its ``with`` is a lock's, so a target whose ``weights_lock`` is a plain
+    ``threading.Lock`` still works (its swaps then wait for the lock).
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._in_use = False
+        self._held = False
+        """A staged swap was dropped for restaging: uses wait for the next :meth:`stage`."""
+        self._pending: tuple[int, Callable[[], None]] | None = None
+
+    @property
+    def pending_version(self) -> int | None:
+        """The version staged and not live yet (``None``: none)."""
+        pending = self._pending
+        return pending[0] if pending is not None else None
+
+    def __enter__(self) -> WeightGate:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._in_use and not self._held)
+            self._in_use = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._cond:
+            try:
+                self._apply(raise_errors=False)
+            finally:
+                self._in_use = False
+                self._cond.notify_all()
+
+    def stage(self, version: int, swap: Callable[[], None]) -> None:
+        """Make ``swap`` (which loads ``version``) the next change to the weights: now when no use
+        runs (an error raises here), else as the running use ends (an error is logged, the live
+        version stays). A swap still pending is replaced: its version never goes live."""
+        with self._cond:
+            self._pending = (version, swap)
+            self._held = False
+            try:
+                if not self._in_use:
+                    self._apply(raise_errors=True)
+            finally:
+                self._cond.notify_all()
+
+    def unstage(self, *, hold: bool = False) -> None:
+        """Drop a swap not applied yet, before its staging is overwritten (a swap being applied
+        finishes first). ``hold``: if one was dropped, uses wait until the next :meth:`stage` or
+        :meth:`release`, so that none starts on weights older than the dropped version."""
+        with self._cond:
+            if self._pending is not None:
+                self._pending = None
+                self._held = hold
+
+    def release(self) -> None:
+        """Let uses start again after ``unstage(hold=True)`` (the restaging failed)."""
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+    def _apply(self, *, raise_errors: bool) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        version, swap = pending
+        try:
+            swap()
+        except Exception:
+            if raise_errors:
+                raise
+            logger.exception("staged policy version %d could not be swapped in", version)
+
+
 class WeightTarget(Protocol):
     """A generator whose model a receiver can overwrite: ``HFGenerator`` is one."""
 
     model: Any
     policy_version: int
+    """The version of the weights live in :attr:`model`."""
 
     @property
-    def weights_lock(self) -> threading.Lock: ...
+    def weights_lock(self) -> WeightGate | threading.Lock: ...
+
+
+def weight_gate(target: WeightTarget) -> WeightGate | None:
+    """``target``'s :class:`WeightGate`; ``None`` for a plain lock (no staging: swaps wait for it)."""
+    lock = target.weights_lock
+    return lock if isinstance(lock, WeightGate) else None
 
 
 class WeightSink(Protocol):
@@ -497,20 +602,33 @@ class WeightSink(Protocol):
 class WeightReceiver:
     """The generator side of a weight sync for an in-memory model (``HFGenerator``): a :class:`WeightSink`.
 
-    :meth:`join` joins the trainer's group; :meth:`receive` takes one version's buckets and
-    copies them into the model **under the generator's weights lock**, so no generation runs
-    on half-updated weights and a generation's ``policy_version`` is the version of the weights
-    it ran on (generation waits for the length of a sync).
+    :meth:`join` joins the trainer's group; :meth:`receive` takes one version's buckets into
+    staging while generation goes on, then stages the swap with the generator's
+    :class:`WeightGate` (module docstring, "The swap"): no generation runs on half-updated weights
+    and a generation's ``policy_version`` is the version of the weights it ran on. A target
+    without a gate (a plain lock), or a publication over ``staging_bytes``, is received into the
+    live model under the lock instead (generation waits for the length of that sync).
+    :attr:`policy_version` is the live version, :attr:`pending_version` one staged behind a
+    running generation.
     """
 
     ranks = 1
 
-    def __init__(self, target: WeightTarget, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        target: WeightTarget,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
         self.target = target
         self.bucket_bytes = bucket_bytes
+        self.staging_bytes = staging_bytes
         self.group: WeightGroup | None = None
         self._store: Any = None
         self._buffers: BucketBuffers | None = None
+        self._staging: tuple[tuple[Bucket, ...], list[torch.Tensor]] | None = None
+        """The staging of the last bucket plan: one flat tensor per bucket."""
         self._shared: Any = None
         """The :class:`~gymbridge.generation.shared_weights.SharedWeightsReader` (shared-memory sync)."""
         self._shared_groups: list[list[torch.Tensor]] = []
@@ -521,7 +639,14 @@ class WeightReceiver:
 
     @property
     def policy_version(self) -> int:
+        """The version live in the model (what ``/weights/status`` reports)."""
         return self.target.policy_version
+
+    @property
+    def pending_version(self) -> int | None:
+        """A version received and waiting for the running generation to end (``None``: none)."""
+        gate = weight_gate(self.target)
+        return gate.pending_version if gate is not None else None
 
     def prepare_lora(self, settings: dict[str, Any] | None) -> None:
         """Take the trainer's LoRA settings (``None``: a full-weight trainer). A model without adapters
@@ -571,13 +696,84 @@ class WeightReceiver:
         return await asyncio.to_thread(self.receive_sync, version, buckets, timeout_s)
 
     def receive_sync(self, version: int, buckets: Sequence[Bucket], timeout_s: float | None = None) -> float:
-        """Receive ``buckets`` and load them as ``version``; returns the seconds it took."""
+        """Receive ``buckets`` and stage them as ``version`` (live now when no generation runs, else
+        when the running one ends); returns the seconds it took."""
         group = self.group
         if group is None:
             raise WeightSyncError("no weight group: POST /weights/init_group first")
         started = time.perf_counter()
-        own = dict(self.target.model.state_dict())
         device = _model_device(self.target.model)
+        gate = weight_gate(self.target)
+        nbytes = sum(b.numel * dtype_from_name(b.dtype).itemsize for b in buckets)
+        if gate is not None and nbytes <= self.staging_bytes:
+            self._receive_staged(gate, group, version, buckets, device, timeout_s)
+        else:
+            if gate is not None:
+                logger.info(
+                    "policy version %d: %.1f MiB is over the staging bound (%.1f MiB): received into "
+                    "the live model at a generation boundary",
+                    version,
+                    nbytes / 2**20,
+                    self.staging_bytes / 2**20,
+                )
+            self._receive_live(group, version, buckets, device, timeout_s)
+        elapsed = time.perf_counter() - started
+        logger.info(
+            "received policy version %d (%d buckets) in %.3fs; live: %d",
+            version,
+            len(buckets),
+            elapsed,
+            self.target.policy_version,
+        )
+        return elapsed
+
+    def _receive_staged(
+        self,
+        gate: WeightGate,
+        group: WeightGroup,
+        version: int,
+        buckets: Sequence[Bucket],
+        device: torch.device,
+        timeout_s: float | None,
+    ) -> None:
+        """Broadcast straight into the staging (no generation waits), then stage the swap."""
+        plan = tuple(buckets)
+        # a swap still pending reads this staging: dropped, and generations wait for this version
+        gate.unstage(hold=True)
+        try:
+            if self._staging is None or self._staging[0] != plan:
+                self._staging = None  # the old staging is freed before the new one is made
+                flats = [torch.empty(b.numel, dtype=dtype_from_name(b.dtype), device=device) for b in plan]
+                self._staging = (plan, flats)
+            flats = self._staging[1]
+            works = [group.broadcast_async(flat, timeout_s=timeout_s) for flat in flats]
+            for work in works:
+                group.wait(work)
+        except BaseException:
+            gate.release()
+            raise
+        target = self.target
+
+        def swap() -> None:
+            own = dict(target.model.state_dict())
+            with torch.no_grad():
+                for bucket, flat in zip(plan, flats, strict=True):
+                    for spec, view in unbucket(bucket, flat):
+                        own[spec.name].copy_(view)
+            target.policy_version = version
+
+        gate.stage(version, swap)
+
+    def _receive_live(
+        self,
+        group: WeightGroup,
+        version: int,
+        buckets: Sequence[Bucket],
+        device: torch.device,
+        timeout_s: float | None,
+    ) -> None:
+        """Receive into the model itself under the weights lock (the fallback: see the class docstring)."""
+        own = dict(self.target.model.state_dict())
         buffers = self._buffers or BucketBuffers(self.bucket_bytes, device)
         # bucket i + 1 is received while bucket i is unpacked (two buffers); a one-entry bucket is
         # received straight into the model's tensor (the lock keeps every generation out meanwhile)
@@ -593,9 +789,6 @@ class WeightReceiver:
             if pending is not None:
                 self._finish(group, own, *pending)
             self.target.policy_version = version
-        elapsed = time.perf_counter() - started
-        logger.info("loaded policy version %d (%d buckets) in %.3fs", version, len(buckets), elapsed)
-        return elapsed
 
     @staticmethod
     def _finish(
@@ -644,20 +837,36 @@ class WeightReceiver:
             self.transport = "shared_memory"
 
     def swap_shared(self, version: int, segment: int) -> float:
-        """Point the model's weights at ``segment`` (0 or 1) and take ``version``; returns seconds."""
+        """Stage pointing the model's weights at ``segment`` (0 or 1) as ``version``: live now when no
+        generation runs, else when the running one ends (the segment is the staging: the trainer
+        writes a segment only once the swap away from it is live); returns seconds."""
         reader = self._shared
         if reader is None:
             raise WeightSyncError("no shared-memory segments: POST /weights/init_group with them first")
         if segment not in (0, 1):
             raise WeightSyncError(f"segment must be 0 or 1, got {segment!r}")
         started = time.perf_counter()
-        with self.target.weights_lock:
-            for view, tensors in zip(reader.views[segment], self._shared_groups, strict=True):
+        views, groups, target = reader.views[segment], self._shared_groups, self.target
+
+        def swap() -> None:
+            for view, tensors in zip(views, groups, strict=True):
                 for tensor in tensors:
                     tensor.data = view
-            self.target.policy_version = version
+            target.policy_version = version
+
+        gate = weight_gate(target)
+        if gate is not None:
+            gate.stage(version, swap)
+        else:
+            with target.weights_lock:
+                swap()
         elapsed = time.perf_counter() - started
-        logger.info("loaded policy version %d from shared memory in %.4fs", version, elapsed)
+        logger.info(
+            "staged policy version %d from shared memory in %.4fs; live: %d",
+            version,
+            elapsed,
+            target.policy_version,
+        )
         return elapsed
 
     def _detach_shared(self) -> None:
@@ -674,16 +883,22 @@ class WeightReceiver:
         self.transport = "broadcast"
 
     def mark_loaded(self, version: int, outcome: str) -> None:
-        """Tell the trainer (through the group's store) that ``version`` is loaded (``ok``) or not."""
+        """Tell the trainer (through the group's store) that ``version`` is staged (``ok``: every
+        generation starting from now on runs on it) or failed."""
         if self._store is not None:
             self._store.set(loaded_key(version), outcome)
 
     def close(self) -> None:
+        gate = weight_gate(self.target)
+        if gate is not None:  # a swap still pending reads what is released here
+            gate.unstage()
+            gate.release()
         if self.group is not None:
             self.group.close()
             self.group = None
         self._store = None
         self._buffers = None
+        self._staging = None
         self._detach_shared()
 
 
