@@ -90,6 +90,7 @@ def served() -> Iterator[str]:
 def main() -> None:
     from gymbridge.generation.hf import HFGenerator
     from gymbridge.models.tiny_vlm import build_tiny_vlm
+    from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET
     from gymbridge.trainer.weight_sync import DistributedPublisher, InProcessPublisher, payload_bytes
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -117,7 +118,9 @@ def main() -> None:
         version = 0
         for transport in ("shared_memory", "broadcast"):
             for kind, url in (("full", full_url), ("lora", lora_url)):
-                pub = DistributedPublisher(url, timeout_s=120, transport=transport)  # type: ignore[arg-type]
+                pub = DistributedPublisher(  # type: ignore[arg-type]
+                    url, timeout_s=120, transport=transport, secret=TESTING_WEIGHTS_SECRET
+                )
                 publishers[(transport, kind)] = pub.publish
                 closers.append(pub)
             for round_ in range(args.syncs + 1):  # round 0 sets the transport up: not counted

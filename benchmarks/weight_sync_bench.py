@@ -70,10 +70,16 @@ async def serve(size: str) -> None:
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.generation.weights import WeightReceiver
     from gymbridge.models.tiny_vlm import build_tiny_vlm
+    from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET
 
     torch.set_num_threads(1)
     gen = HFGenerator(build(size), build_tiny_vlm(0).processor, max_model_len=256)
-    server = ModelServer(gen, config=ModelServerConfig(batching=False), weight_sink=WeightReceiver(gen))
+    server = ModelServer(
+        gen,
+        config=ModelServerConfig(batching=False),
+        weight_sink=WeightReceiver(gen),
+        weights_secret=TESTING_WEIGHTS_SECRET,
+    )
     url = await server.start()
     print(f"serving on {url}", flush=True)
     stop = asyncio.Event()
@@ -149,6 +155,10 @@ def measure(size: str, syncs: int, bucket_mb: int) -> dict[str, Any]:
             proc, url = start_child(["--serve", size])
             children.append(proc)
             kwargs: dict[str, Any] = {"transport": transport} if len(transports) > 1 else {}
+            if "secret" in signature(DistributedPublisher).parameters:
+                from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET
+
+                kwargs["secret"] = TESTING_WEIGHTS_SECRET
             pub = DistributedPublisher(url, bucket_bytes=bucket_bytes, **kwargs)
             publishers.append(pub)
             first[transport] = pub.publish(model, 0)  # version 0 also sets the transport up

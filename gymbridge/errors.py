@@ -23,8 +23,10 @@ exceptions (``TypeError``, ``ValueError``).
     ├── EnvError               talking to an environment / agent / model server
     │   ├── EnvServerError     the server answered with an error status
     │   │   │                  (``status``, ``body``, ``server``)
-    │   │   └── EnvSessionLostError  the environment no longer knows the
-    │   │                      rollout's session (restarted / evicted; 409)
+    │   │   ├── EnvSessionLostError  the environment no longer knows the
+    │   │   │                  rollout's session (restarted / evicted; 409)
+    │   │   └── GeneratorLostError  the model-server fleet lost the generation: its
+    │   │                      replica died and no healthy one could take it (503)
     │   ├── EnvTransportError  the connection failed or broke mid-body
     │   │                      (``reached``: whether it was ever established)
     │   ├── EnvTimeoutError    the deadline passed
@@ -58,7 +60,9 @@ exceptions (``TypeError``, ``ValueError``).
     │   ├── WeightSyncError    publishing weights to a generator failed
     │   │                      (a name / shape mismatch, a dead group, a refused route)
     │   └── GeneratorProcessError  the generator's own process did not start
-    │                          (exited or never ready; the message holds its log tail)
+    │       │                  (exited or never ready; the message holds its log tail)
+    │       └── GeneratorFleetError  the generator fleet fell below
+    │                          ``generator.min_healthy`` (``healthy``, ``min_healthy``)
     └── ConfigError            a configuration is invalid; ``problems`` lists
         │                      every problem found, not just the first
         └── ResumeError        a run directory cannot be continued as asked
@@ -83,6 +87,8 @@ __all__ = [
     "EnvSessionLostError",
     "EnvTimeoutError",
     "EnvTransportError",
+    "GeneratorFleetError",
+    "GeneratorLostError",
     "GeneratorProcessError",
     "GymbridgeError",
     "IntegrationError",
@@ -205,6 +211,23 @@ class EnvSessionLostError(EnvServerError):
 
     failure_class = "env_session_lost"
     header = "X-Gymbridge-Error"
+
+
+class GeneratorLostError(EnvServerError):
+    """The generator fleet's router answered 503 ``generator_lost``: the replica a model call went to
+    died before answering and no healthy replica could take the call again.
+
+    The rollout is recorded as a failure of class ``generator_lost`` (:attr:`failure_class`), never
+    trained and not retried by the client (the router already moved the call to every healthy
+    replica). Marked with the header ``X-Gymbridge-Error: generator_lost`` (:attr:`header`).
+    """
+
+    failure_class = "generator_lost"
+    header = "X-Gymbridge-Error"
+
+    @property
+    def retryable(self) -> bool:
+        return False
 
 
 class EnvTransportError(EnvError):
@@ -418,6 +441,20 @@ class WeightSyncError(TrainingError):
 
 class GeneratorProcessError(TrainingError):
     """The generator's own process did not start (it exited, or never became ready)."""
+
+
+class GeneratorFleetError(GeneratorProcessError):
+    """The generator fleet has fewer healthy replicas than ``generator.min_healthy``: the run stops.
+
+    ``healthy`` is how many replicas were serving the current weights, ``min_healthy`` the floor,
+    ``replicas`` the fleet's size; the message names each replica's state.
+    """
+
+    def __init__(self, message: str, *, healthy: int, min_healthy: int, replicas: int) -> None:
+        super().__init__(message)
+        self.healthy = healthy
+        self.min_healthy = min_healthy
+        self.replicas = replicas
 
 
 class ConfigError(GymbridgeError):

@@ -50,7 +50,7 @@ import orjson
 from gymbridge.bridge.config import BridgeConfig
 from gymbridge.bridge.sources import RolloutRecord, RolloutSource
 from gymbridge.client import env_of_row
-from gymbridge.errors import BridgeStalledError, TrajectoryError
+from gymbridge.errors import BridgeStalledError, GeneratorFleetError, TrajectoryError
 from gymbridge.rowset import RowSet
 from gymbridge.tensors.batch import BATCH_ADVANTAGE_MODES
 
@@ -474,6 +474,8 @@ class BridgeIterator:
                 records = await self.source.rollouts(
                     row, task_index=task_index, group_size=self.config.group_size
                 )
+            except GeneratorFleetError:  # the generator fleet is below its floor: the run stops
+                raise
             except Exception as exc:  # a source bug or a setup failure: still data for this prompt
                 records = [
                     RolloutRecord(task_index, i, failure_class=type(exc).__name__, failure_reason=str(exc))

@@ -59,6 +59,9 @@ __all__ = [
     "unmetered",
 ]
 
+_OWN_CLASSES = ("env_session_lost", "generator_lost")
+"""Client failure kinds recorded under their own name (the others as ``gym_<kind>``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutRecord:
@@ -155,7 +158,7 @@ class GymRollouts:
                     RolloutRecord(
                         task_index,
                         i,
-                        failure_class=out.kind if out.kind == "env_session_lost" else f"gym_{out.kind}",
+                        failure_class=out.kind if out.kind in _OWN_CLASSES else f"gym_{out.kind}",
                         failure_reason=out.reason or "no reason given",
                         attempts=out.attempts,
                         elapsed_s=out.elapsed_s,

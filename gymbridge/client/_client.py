@@ -20,7 +20,8 @@ Invariants:
   never retried, and so is a stock agent's 500 around an inner server's 4xx (a model server
   refusing the row's sampling parameters behind genuine ``simple_agent``: ``status`` is then
   the inner one); an agent's 409 ``X-Gymbridge-Error: env_session_lost`` is an
-  ``env_session_lost`` failure;
+  ``env_session_lost`` failure, its 503 ``X-Gymbridge-Error: generator_lost`` a ``generator_lost``
+  one (not retried: the fleet's router already tried every healthy replica);
 * transport exceptions are mapped to gymbridge errors in one place per HTTP library
   (:func:`_map_aiohttp_errors`, :func:`_map_httpx_errors`); nothing else sees them;
 * the row sent is the row given: the client never adds keys to
@@ -60,6 +61,7 @@ from gymbridge.errors import (
     EnvSessionLostError,
     EnvTimeoutError,
     EnvTransportError,
+    GeneratorLostError,
     GymbridgeError,
     ProtocolError,
 )
@@ -98,6 +100,8 @@ def _retryable(exc: BaseException) -> bool:
 def _classify(exc: BaseException) -> FailureKind:
     if isinstance(exc, EnvSessionLostError):
         return "env_session_lost"
+    if isinstance(exc, GeneratorLostError):
+        return "generator_lost"
     if isinstance(exc, EnvTimeoutError):
         return "timeout"
     if isinstance(exc, (EnvTransportError, EnvFaultError)) or (
@@ -313,6 +317,15 @@ class GymClient:
                 reply.status == 409
                 and reply.headers.get(EnvSessionLostError.header) == EnvSessionLostError.failure_class
             )
+            if reply.status == 503 and (
+                reply.headers.get(GeneratorLostError.header) == GeneratorLostError.failure_class
+            ):
+                raise GeneratorLostError(
+                    f"{endpoint} answered HTTP 503 generator_lost: {reply.text[:300]}",
+                    status=503,
+                    body=reply.text[:4000],
+                    server=endpoint,
+                )
             refused = wrapped_client_error(reply.status, reply.text)
             if refused is not None:  # a stock agent's 500 around an inner refusal: data, not retried
                 raise EnvServerError(

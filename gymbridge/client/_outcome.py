@@ -1,8 +1,8 @@
 """RolloutOutcome: the one record every dataset row yields, success or failure.
 
 Invariants: ``ok`` is True exactly when ``result`` is set and ``kind`` is None;
-a failure has ``kind`` in ``{"infra", "data", "timeout", "env_session_lost"}`` and a non-empty
-``reason``; ``attempts`` counts the HTTP attempts made (0 when the row was
+a failure has ``kind`` in ``{"infra", "data", "timeout", "env_session_lost", "generator_lost"}``
+and a non-empty ``reason``; ``attempts`` counts the HTTP attempts made (0 when the row was
 rejected before any call).
 """
 
@@ -13,12 +13,14 @@ from typing import Any, Literal
 
 __all__ = ["FailureKind", "RolloutOutcome"]
 
-FailureKind = Literal["infra", "data", "timeout", "env_session_lost"]
+FailureKind = Literal["infra", "data", "timeout", "env_session_lost", "generator_lost"]
 """``infra``: transport, 5xx, 408, 429, an environment fault mid-episode the agent reported in a
 masked result (``gymbridge.faults``; retried, then given up); ``data``: other 4xx,
 malformed results, rows nested too deep, unroutable rows (not retried); ``timeout``: the
 deadline passed; ``env_session_lost``: the environment no longer knew the rollout's session
-(it restarted or evicted it; the agent answered 409 ``X-Gymbridge-Error: env_session_lost``)."""
+(it restarted or evicted it; the agent answered 409 ``X-Gymbridge-Error: env_session_lost``);
+``generator_lost``: the generator fleet lost a model call (its replica died and no healthy replica
+could take it; the agent answered 503 ``X-Gymbridge-Error: generator_lost``, not retried)."""
 
 
 @dataclass(frozen=True, slots=True)

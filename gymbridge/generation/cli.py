@@ -9,7 +9,11 @@
     gymbridge model serve --model PATH --tool-parser qwen3_coder ...   # XML tool calls (Qwen3.5)
 
 ``--enable-weight-updates`` opens the ``/weights/*`` routes, through which a trainer joins a
-weight group with the server and publishes each policy version (otherwise they answer 403);
+weight group with the server and publishes each policy version (otherwise they answer 403). It needs
+the run secret in the environment variable ``GYMBRIDGE_WEIGHTS_SECRET`` (at least 16 characters;
+never a flag, which ``ps`` would show): without it the server refuses to start (exit 2), and every
+weight call must carry ``Authorization: Bearer <secret>`` (else 401). The variable is removed from the
+process's environment once read, so nothing the server starts inherits it;
 ``--enable-lora [--max-lora-rank R] [--max-loras N]`` (``--backend vllm`` only) starts vLLM with its
 LoRA path on, for a LoRA trainer's adapters (docs/generation.md, "LoRA adapters on vLLM");
 ``--prompt-seed S`` seeds unseeded requests per prompt (``PromptSeededGenerator``), as the smoke
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,7 +92,8 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument(
         "--enable-weight-updates",
         action="store_true",
-        help="accept new policy weights from a trainer (POST /weights/*; refused otherwise)",
+        help="accept new policy weights from a trainer (POST /weights/*; refused otherwise); needs the run "
+        "secret in $GYMBRIDGE_WEIGHTS_SECRET, which every weight call must present as a Bearer token",
     )
     p.add_argument(
         "--enable-lora",
@@ -111,6 +117,8 @@ def add_model_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="--enable-lora: adapters in one vLLM batch (default 2: a version and the one before it, "
         "whose requests are still finishing)",
     )
+    for flag, kind, meaning in _VLLM_ENGINE_FLAGS:
+        p.add_argument(flag, type=kind, default=None, help=f"--backend vllm: {meaning} (vLLM's default)")
     p.add_argument(
         "--prompt-seed", type=int, default=None, help="seed unseeded requests per prompt (reproducible runs)"
     )
@@ -174,7 +182,7 @@ def build_generator(args: argparse.Namespace) -> Any:
     reasoning = not args.no_reasoning_parser
     tool_parser = str(getattr(args, "tool_parser", "auto"))
     suppressed = tuple(getattr(args, "suppress_token_id", None) or ())
-    lora_engine_args = _vllm_lora_args(args)
+    lora_engine_args = {**_vllm_lora_args(args), **_vllm_engine_args(args)}
     tiny_omni = bool(getattr(args, "tiny_omni", False))
     family = parse_tiny_spec(args.model) if args.model is not None else None
     if (args.tiny or tiny_omni or family is not None) and args.backend != "hf":
@@ -231,6 +239,29 @@ DEFAULT_MAX_LORAS = 2
 requests in flight finish on it), in one batch."""
 
 
+_VLLM_ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--tensor-parallel-size", int, "GPUs one engine shards the model over"),
+    ("--gpu-memory-utilization", float, "share of the GPU memory the engine takes"),
+    ("--dtype", str, "weights' and activations' dtype (auto, bfloat16, float16, float32)"),
+    ("--max-num-seqs", int, "sequences in one engine step"),
+)
+"""vLLM engine arguments ``model serve`` passes through (a run's ``generator.*`` of the same names)."""
+
+
+def _vllm_engine_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments of :data:`_VLLM_ENGINE_FLAGS` given (``{}``: none); on another backend a
+    ``ConfigError``."""
+    from gymbridge.errors import ConfigError
+
+    names = [flag.removeprefix("--").replace("-", "_") for flag, _, _ in _VLLM_ENGINE_FLAGS]
+    given = {name: getattr(args, name, None) for name in names}
+    given = {name: value for name, value in given.items() if value is not None}
+    if given and args.backend != "vllm":
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError([f"{flags}: vLLM engine arguments, for --backend vllm only"])
+    return given
+
+
 def _vllm_lora_args(args: argparse.Namespace) -> dict[str, Any]:
     """vLLM engine args of ``--enable-lora`` / ``--max-lora-rank`` / ``--max-loras`` (``{}`` without
     ``--enable-lora``); the flags without it, or on another backend, are a ``ConfigError``."""
@@ -267,6 +298,31 @@ def weight_sink_for(generator: Any) -> Any:
     return VLLMWeightSink(generator)
 
 
+def _weights_secret(*, enabled: bool) -> str | None:
+    """The run secret from ``GYMBRIDGE_WEIGHTS_SECRET``, taken out of this process's environment (no
+    child inherits it); ``None`` without ``--enable-weight-updates``. Enabled without one (or with a
+    short one): a :class:`~gymbridge.errors.ConfigError` that never shows the value."""
+    from gymbridge.errors import ConfigError
+    from gymbridge.generation.server import WEIGHTS_SECRET_ENV, check_weights_secret
+
+    secret = os.environ.pop(WEIGHTS_SECRET_ENV, "")
+    if not enabled:
+        return None
+    if not secret:
+        raise ConfigError(
+            [
+                f"--enable-weight-updates needs the run secret in ${WEIGHTS_SECRET_ENV} (the trainer "
+                "sends it with every weight call; a launcher sets it for its child): without it anyone "
+                "who reaches the port could replace the weights"
+            ]
+        )
+    try:
+        check_weights_secret(secret)
+    except ValueError as exc:
+        raise ConfigError([f"${WEIGHTS_SECRET_ENV}: {exc}"]) from exc
+    return secret
+
+
 async def _serve(args: argparse.Namespace) -> None:
     from gymbridge.models.tiny_families import parse_tiny_spec
     from gymbridge.serving import probe_port, serve_until_stopped
@@ -278,6 +334,7 @@ async def _serve(args: argparse.Namespace) -> None:
     from gymbridge.generation.server import ModelServer, ModelServerConfig
     from gymbridge.media import MediaPolicy
 
+    secret = _weights_secret(enabled=args.enable_weight_updates)  # before the model loads
     generator = build_generator(args)
     config = ModelServerConfig(
         model_name=str(getattr(generator, "model_name", args.model or "gymbridge-model")),
@@ -300,7 +357,7 @@ async def _serve(args: argparse.Namespace) -> None:
         from gymbridge.generation.seeding import PromptSeededGenerator
 
         served = PromptSeededGenerator(generator, args.prompt_seed)
-    server = ModelServer(served, config=config, media_policy=policy, weight_sink=sink)
+    server = ModelServer(served, config=config, media_policy=policy, weight_sink=sink, weights_secret=secret)
 
     def announce() -> None:
         print(f"serving on {server.url} (OpenAI base URL {server.url}/v1)", flush=True)

@@ -7,6 +7,13 @@ Routes: ``POST /v1/responses`` (token fields on the call's last output item; ``l
 routes a trainer publishes through (:mod:`gymbridge.trainer.weight_sync`). Paths may arrive prefixed
 ``/ng-rollout/<id>``.
 
+The ``/weights/*`` routes change the policy, so they answer only a caller that presents the run
+secret (``Authorization: Bearer <secret>``, compared in constant time): anyone else gets a 401 and
+nothing changes; a weight sink without a secret is refused at construction. The other routes stay
+open (agents need them). A child server reads its secret from ``GYMBRIDGE_WEIGHTS_SECRET``
+(:data:`WEIGHTS_SECRET_ENV`), never from its command line (docs/security.md, "Weight routes: the
+run secret").
+
 Invariants:
 
 * prompts are built by :meth:`ChatCodec.render` only (exact prefix splice of the latest replayed
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import logging
 import math
 import re
@@ -68,9 +76,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelServer", "ModelServerConfig"]
+__all__ = [
+    "MIN_WEIGHTS_SECRET_CHARS",
+    "WEIGHTS_SECRET_ENV",
+    "ModelServer",
+    "ModelServerConfig",
+    "check_weights_secret",
+]
 
 _ROLLOUT_PREFIX = re.compile(r"^/ng-rollout/[^/]+")
+_GUARDED_PREFIX = "/weights/"
+"""Routes under it change (or report) the served weights: each call must carry the run secret."""
+
+WEIGHTS_SECRET_ENV = "GYMBRIDGE_WEIGHTS_SECRET"
+"""The environment variable that hands ``gymbridge model serve`` its run secret (argv would show it
+in ``ps``)."""
+MIN_WEIGHTS_SECRET_CHARS = 16
+"""Shortest accepted run secret (``secrets.token_urlsafe(32)``, what a launcher makes, has 43)."""
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -88,6 +110,27 @@ def _error(message: str, *, status: int, kind: str) -> web.Response:
 
 def _json(data: Any) -> web.Response:
     return web.Response(body=orjson.dumps(data), content_type="application/json")
+
+
+def check_weights_secret(secret: str) -> None:
+    """Refuse a run secret too short to guess-proof the weight routes (``ValueError``; the message
+    never contains the secret)."""
+    if len(secret) < MIN_WEIGHTS_SECRET_CHARS:
+        raise ValueError(
+            f"the run secret must have at least {MIN_WEIGHTS_SECRET_CHARS} characters, got {len(secret)} "
+            "(make one with python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
+
+
+def _bearer_token(header: str | None) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme case-insensitive), else ``None``."""
+    if header is None:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("utf-8", "surrogatepass")  # aiohttp decodes undecodable bytes as surrogates
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +207,9 @@ class ModelServer:
 
     ``codec`` defaults to ``generator.codec``; ``media_policy`` (default
     ``MediaPolicy()``) governs every media part of every request; ``weight_sink`` (default
-    none: the ``/weights/*`` routes answer 403) receives the trainer's weights.
+    none: the ``/weights/*`` routes answer 403) receives the trainer's weights from callers that
+    present ``weights_secret`` (the run secret; required with a ``weight_sink``, at least
+    :data:`MIN_WEIGHTS_SECRET_CHARS` characters).
     """
 
     def __init__(
@@ -175,7 +220,15 @@ class ModelServer:
         config: ModelServerConfig | None = None,
         media_policy: MediaPolicy | None = None,
         weight_sink: WeightSink | None = None,
+        weights_secret: str | None = None,
     ) -> None:
+        if weights_secret is not None:
+            check_weights_secret(weights_secret)
+        elif weight_sink is not None:
+            raise ValueError(
+                "a weight_sink needs weights_secret= (the run secret its trainer's publisher sends): "
+                "without one nobody could be told apart from the trainer"
+            )
         codec = codec if codec is not None else getattr(generator, "codec", None)
         if not isinstance(codec, ChatCodec):
             raise ValueError("the model server needs a ChatCodec: pass codec= or use a generator with .codec")
@@ -232,6 +285,7 @@ class ModelServer:
         self._runner: web.AppRunner | None = None
         self.url: str | None = None
         self.weight_sink = weight_sink
+        self._weights_secret = weights_secret.encode() if weights_secret is not None else None
         self._weight_task: asyncio.Task[None] | None = None
         self._weight_error: str | None = None
         self._weight_syncs = 0
@@ -324,6 +378,10 @@ class ModelServer:
                     f"method {request.method} not allowed on {path}", status=405, kind="MethodNotAllowed"
                 )
             return _error(f"no route {path}", status=404, kind="NotFoundError")
+        if path.startswith(_GUARDED_PREFIX):
+            refused = self._refuse_unauthenticated(request, path)
+            if refused is not None:
+                return refused
         try:
             return await handler(request)
         except _BadRequest as exc:
@@ -699,6 +757,29 @@ class ModelServer:
 
     # ------------------------------------------------------------------ weight updates
 
+    def _refuse_unauthenticated(self, request: web.Request, path: str) -> web.Response | None:
+        """A 401 unless ``request`` carries the run secret; ``None`` lets it through (without a weight
+        sink the handler answers 403 whoever asks). Neither the answer nor the log shows the token."""
+        if self.weight_sink is None:
+            return None
+        presented = _bearer_token(request.headers.get("Authorization"))
+        if (
+            presented is not None
+            and self._weights_secret is not None
+            and hmac.compare_digest(presented, self._weights_secret)
+        ):
+            return None
+        why = "no run secret" if presented is None else "a wrong run secret"
+        logger.warning("%s %s from %s -> 401: %s", request.method, path, request.remote, why)
+        response = _error(
+            f"{why}: the weight routes need 'Authorization: Bearer <the run secret>' "
+            f"(the trainer's publisher sends it; the server reads it from {WEIGHTS_SECRET_ENV})",
+            status=401,
+            kind="AuthenticationError",
+        )
+        response.headers["WWW-Authenticate"] = 'Bearer realm="gymbridge-weights"'
+        return response
+
     def _sink(self) -> WeightSink:
         if self.weight_sink is None:
             raise _BadRequest(
@@ -725,6 +806,8 @@ class ModelServer:
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
         body = await self._body(request)
+        if body.get("transport") == "vllm":
+            return await self._weights_vllm(sink, body)
         if body.get("transport", "broadcast") == "shared_memory":
             return await self._weights_attach_shared(sink, body)
         if body.get("transport", "broadcast") != "broadcast":
@@ -821,6 +904,8 @@ class ModelServer:
             await asyncio.wait({self._weight_task}, timeout=timeout_s)
         if self._weights_busy():
             raise _BadRequest("a weight operation is in progress", status=409, kind="Conflict")
+        if body.get("transport") == "vllm":
+            return await self._weights_vllm(sink, body)
         if body.get("transport") == "shared_memory":
             return await self._weights_swap_shared(sink, body)
         if not self._group_ready:
@@ -869,13 +954,32 @@ class ModelServer:
         self._weight_syncs += 1
         self._last_sync_s = seconds
         self.timings.add("weights_receive", seconds)
-        return _json({"status": "loaded", "version": version, "transport": "shared_memory"})
+        # staged: live once the running generate call (if any) ends; /weights/status says when
+        return _json({"status": "staged", "version": version, "transport": "shared_memory"})
+
+    async def _weights_vllm(self, sink: WeightSink, body: dict[str, Any]) -> web.Response:
+        """``transport: vllm``: one step of vLLM's own weight transfer (the sink's ``vllm_transfer``:
+        :mod:`gymbridge.trainer.vllm_transfer` is the trainer's side)."""
+        handle = getattr(sink, "vllm_transfer", None)
+        if not callable(handle):
+            raise WeightSyncError(
+                f"this generator ({type(sink).__name__}) does not speak vLLM's weight transfer"
+            )
+        answer: dict[str, Any] = await handle(body)
+        if answer.get("status") == "loaded":
+            self._weight_syncs += 1
+            self._last_sync_s = float(answer["seconds"])
+            self.timings.add("weights_receive", self._last_sync_s)
+        self._group_ready = self._group_ready or answer.get("status") == "ready"
+        return _json(answer)
 
     async def _weights_status(self, _request: web.Request) -> web.Response:
         sink = self._sink()
         return _json(
             {
                 "policy_version": sink.policy_version,
+                "pending_version": getattr(sink, "pending_version", None),
+                "vllm_transfer": bool(getattr(sink, "speaks_vllm_transfer", False)),
                 "ranks": sink.ranks,
                 "transport": getattr(sink, "transport", "broadcast"),
                 "group_ready": self._group_ready,

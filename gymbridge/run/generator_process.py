@@ -12,6 +12,8 @@ appended to ``log_path`` (never a pipe nobody reads; never truncated: a resumed 
 earlier attempts' logs, each start under a ``--- model server start`` line), its stdout is
 drained by a daemon thread; a child that exits or stays silent past ``startup_timeout_s``
 raises :class:`~gymbridge.errors.GeneratorProcessError` with the tail of its own attempt's log.
+A secret (the run secret of the weight routes) reaches the child only through ``env``: never its
+command line (``ps`` shows it, and the log's start line repeats it) nor the log.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -112,7 +114,9 @@ def tiny_server_command(
     tool_parser: str = "auto",
 ) -> list[str]:
     """The ``gymbridge model serve --tiny`` (or ``model_flag``) command line the launcher runs as a child
-    (``tool_parser`` other than ``auto`` becomes ``--tool-parser``)."""
+    (``tool_parser`` other than ``auto`` becomes ``--tool-parser``). With ``enable_weight_updates`` the
+    child needs the run secret: ``env={WEIGHTS_SECRET_ENV: secret}`` to
+    :func:`start_model_server_process`."""
     cmd = [
         sys.executable,
         "-m",
@@ -142,11 +146,17 @@ def tiny_server_command(
 
 
 def start_model_server_process(
-    command: Sequence[str], *, log_path: Path, startup_timeout_s: float = 180.0
+    command: Sequence[str],
+    *,
+    log_path: Path,
+    startup_timeout_s: float = 180.0,
+    env: Mapping[str, str] | None = None,
 ) -> ModelServerProcess:
     """Start ``command`` (a ``model serve`` line) in its own session; return once it serves.
 
-    On any failure the child's group is stopped before :class:`GeneratorProcessError` is raised.
+    ``env``: variables set for the child on top of this process's environment (how the run secret
+    reaches it; never logged). On any failure the child's group is stopped before
+    :class:`GeneratorProcessError` is raised.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = log_path.open("a")  # history: a resumed run keeps the earlier attempts' logs
@@ -154,7 +164,7 @@ def start_model_server_process(
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     log_file.write(f"--- model server start {stamp}: {' '.join(command)}\n")
     log_file.flush()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         list(command),
         stdout=subprocess.PIPE,
@@ -162,7 +172,7 @@ def start_model_server_process(
         stdin=subprocess.DEVNULL,
         text=True,
         start_new_session=True,  # its own process group: killpg ends it and anything it started
-        env=env,
+        env=child_env,
     )
     child = ModelServerProcess(proc, log_path, log_file, log_offset)
     try:

@@ -447,6 +447,9 @@ class GRPORun:
         # version 0: the initial weights (a resumed run: its checkpoint's weights and version)
         sync_s = await asyncio.to_thread(handle.publish, self.model.policy, self.version)
         where = "in this process" if handle.placement == "in_process" else f"process {handle.pid}"
+        if handle.fleet is not None:  # generator.replicas > 1: N processes behind the run's router
+            pids = ", ".join(str(p) for p in handle.fleet.pids)
+            where = f"fleet of {handle.fleet.size} model servers (processes {pids}) behind {handle.model_url}"
         if handle.publisher is None:
             self.say(f"generator: {where}; weight publication OFF (the generator keeps the step-0 weights)")
         else:

@@ -109,9 +109,10 @@ class StepReport:
     """Data-parallel keys (``dp_backend``, ``dp_world_size``, ``dp_shard_tokens``, ...); ``{}`` without."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """The trainer's fixed facts (``kl_reference``, ``lora_rank``, ``trainable_params``); ``{}`` without."""
-    generator: dict[str, float] = field(default_factory=dict)
+    generator: dict[str, Any] = field(default_factory=dict)
     """The model server's counters of the step (``generator/tool_calls_parsed``,
-    ``generator/tool_calls_unparsed``: :func:`gymbridge.run.timing.generator_keys`); ``{}``: none read."""
+    ``generator/tool_calls_unparsed``; with a fleet ``generator/replica_<i>/...`` and
+    ``generator/fleet/...``: :func:`gymbridge.run.timing.generator_keys`); ``{}``: none read."""
     counters_unavailable: dict[str, str] = field(default_factory=dict)
     """Counter sources that could not be read (name -> why): their phases are in ``wait_rollouts``
     (:attr:`gymbridge.run.timing.StepCounters.unavailable`)."""

@@ -263,6 +263,10 @@ async def start_services(
 
             referencer = RowReferencer(media_server.store, media_server.url_for)
         source = GymRollouts(client, deadline_s=cfg.rollout.deadline_s, meter=meter, referencer=referencer)
+        if handle.fleet is not None:  # below the fleet's floor the run stops, not prompt by prompt
+            from gymbridge.run.fleet import FleetGuardedSource
+
+            source = FleetGuardedSource(source, handle.fleet)
     stack.push_async_callback(source.aclose)
     return Services(source, handle, urls, media_hosts, notes, agent=agent)
 

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ENV_PHASES",
+    "FLEET_GAUGES",
     "GENERATOR_COUNTERS",
     "PHASES",
     "CounterSource",
@@ -70,11 +71,42 @@ tool calls that parsed, and markup that looked like a tool call but did not (``t
 :mod:`gymbridge.generation.tool_calls`)."""
 
 
-def generator_keys(model: Mapping[str, float]) -> dict[str, float]:
+FLEET_GAUGES = ("in_flight", "state", "policy_version", "sync_s", "healthy")
+"""Fleet counters (:mod:`gymbridge.generation.router`) read as they are at the step's end, not as a
+delta: ``replica_<i>/in_flight``, ``/state``, ``/policy_version``, ``/sync_s`` and ``fleet/healthy``.
+The others (``requests``, ``errors``, ``retried``, ``restarts``, ``fleet/lost``) count the step."""
+
+
+def _is_fleet_key(key: str) -> bool:
+    return key.startswith(("replica_", "fleet/"))
+
+
+def _is_gauge(key: str) -> bool:
+    return _is_fleet_key(key) and key.rsplit("/", 1)[-1] in FLEET_GAUGES
+
+
+def generator_keys(model: Mapping[str, float]) -> dict[str, Any]:
     """``generator/<name>`` for each of :data:`GENERATOR_COUNTERS` in ``model`` (the model server
-    counters' delta over the step). A key is absent where no model server counts it (native
-    rollouts, a model server of another kind), never reported as 0."""
-    return {f"generator/{name}": float(model[name]) for name in GENERATOR_COUNTERS if name in model}
+    counters' delta over the step), and with a fleet ``generator/replica_<i>/<name>`` (``requests``,
+    ``errors``, ``retried``, ``restarts`` of the step; ``in_flight``, ``policy_version``, ``sync_s``
+    and ``state``, a name such as ``HEALTHY``, at its end) and ``generator/fleet/healthy`` /
+    ``generator/fleet/lost``. A key is absent where no model server counts it (native rollouts, a
+    model server of another kind, one model server), never reported as 0."""
+    from gymbridge.generation.router import STATE_NAMES
+
+    out: dict[str, Any] = {
+        f"generator/{name}": float(model[name]) for name in GENERATOR_COUNTERS if name in model
+    }
+    for key in sorted(k for k in model if _is_fleet_key(k)):
+        value = model[key]
+        name = key.rsplit("/", 1)[-1]
+        if name == "state":
+            out[f"generator/{key}"] = STATE_NAMES.get(int(value), str(value))
+        elif name == "sync_s":
+            out[f"generator/{key}"] = float(value)
+        else:
+            out[f"generator/{key}"] = int(value)
+    return out
 
 
 def split_step(
@@ -198,7 +230,9 @@ class StepCounters:
         after = await self._read()
         before = self._before or ({}, {})
         self._before = after
-        return timing_delta(after[0], before[0]), timing_delta(after[1], before[1])
+        model = timing_delta(after[0], before[0])
+        model.update({k: v for k, v in after[0].items() if _is_gauge(k)})  # a fleet's gauges: as they are
+        return model, timing_delta(after[1], before[1])
 
     async def aclose(self) -> None:
         if self._http is not None:

@@ -19,7 +19,7 @@ Invariants:
 * the model may call only the tools the row offers, never a protocol route; tool errors go back
   to the model as text, as stock Gym does;
 * a model-server error is an agent 500, except an inner 4xx, which keeps its status (data, not
-  retried);
+  retried), and a fleet router's 503 ``X-Gymbridge-Error: generator_lost``, which keeps both;
 * with ``media_store_url`` every inline medium joins the conversation as a reference, stored once
   (the store failing ends the rollout with 502); ``meter`` records every model call's payload.
 
@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from gymbridge.errors import EnvError, EnvFaultError, EnvServerError, EnvTimeoutError, ProtocolError
+from gymbridge.errors import (
+    EnvError,
+    EnvFaultError,
+    EnvServerError,
+    EnvTimeoutError,
+    GeneratorLostError,
+    ProtocolError,
+)
 from gymbridge.faults import env_fault, masked_result, status_fault_kind, wrapped_client_error
 from gymbridge.metrics.timing import PhaseTimer
 from gymbridge.server._base import (
@@ -68,6 +75,8 @@ __all__ = ["SimpleAgent", "rollout_id_from_row"]
 logger = logging.getLogger(__name__)
 
 TOKEN_CAPTURE_SEGMENT = "/training-token-capture"
+GENERATOR_LOST = GeneratorLostError.failure_class
+"""``X-Gymbridge-Error`` value of a model call the generator fleet lost (kept on the agent's 503)."""
 
 
 def rollout_id_from_row(row: dict[str, Any]) -> str | None:
@@ -324,6 +333,10 @@ class SimpleAgent(GymServer):
                 409,
                 f"{SESSION_LOST}: {reply.url} no longer knows this rollout's session: {reply.text[:2000]}",
                 {ERROR_HEADER: SESSION_LOST},
+            )
+        if reply.status == 503 and reply.headers.get(ERROR_HEADER) == GENERATOR_LOST:
+            raise _UpstreamFailure(  # the fleet's router lost the call: the class travels to the client
+                503, f"{GENERATOR_LOST}: {reply.url}: {reply.text[:2000]}", {ERROR_HEADER: GENERATOR_LOST}
             )
         try:
             reply.raise_for_status()

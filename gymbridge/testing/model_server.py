@@ -9,14 +9,20 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["served_in_thread"]
+__all__ = ["TESTING_WEIGHTS_SECRET", "served_in_thread"]
+
+TESTING_WEIGHTS_SECRET = "gymbridge-testing-weights-secret"
+"""The run secret :func:`served_in_thread` guards its weight routes with by default (tests and
+benchmarks on loopback; a real run makes a fresh one)."""
 
 
 @contextmanager
-def served_in_thread(generator: Any, sink: Any, *, timeout_s: float = 60.0) -> Iterator[str]:
+def served_in_thread(
+    generator: Any, sink: Any, *, timeout_s: float = 60.0, weights_secret: str = TESTING_WEIGHTS_SECRET
+) -> Iterator[str]:
     """Serve ``generator`` with ``sink`` as its weight sink (the routes ``gymbridge model serve
-    --enable-weight-updates`` opens) on a free loopback port; yields the base URL and stops the server
-    on the way out."""
+    --enable-weight-updates`` opens, guarded by ``weights_secret``: give the publisher the same
+    ``secret``) on a free loopback port; yields the base URL and stops the server on the way out."""
     from gymbridge.generation.server import ModelServer, ModelServerConfig
 
     ready = threading.Event()
@@ -24,7 +30,12 @@ def served_in_thread(generator: Any, sink: Any, *, timeout_s: float = 60.0) -> I
     stop: list[asyncio.Event] = []
 
     async def serve() -> None:
-        server = ModelServer(generator, config=ModelServerConfig(batching=False), weight_sink=sink)
+        server = ModelServer(
+            generator,
+            config=ModelServerConfig(batching=False),
+            weight_sink=sink,
+            weights_secret=weights_secret,
+        )
         urls.append(await server.start())
         stop.append(asyncio.Event())
         ready.set()

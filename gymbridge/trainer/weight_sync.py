@@ -6,8 +6,8 @@ Two implementations:
 
 * :class:`InProcessPublisher` (``generator.placement: in_process``): the generator owns a
   model object of its own in the trainer's process; the trainer's parameters and buffers are
-  copied into it in place, under the generator's weights lock, and then the generator's
-  ``policy_version`` is set. A generator that *shares* the trainer's model object only gets
+  copied into a staging copy, and the generator swaps them in (and takes the version) at its
+  next generation boundary. A generator that *shares* the trainer's model object only gets
   its version advanced.
 * :class:`DistributedPublisher` (``generator.placement: process``): the generator is a model
   server in another process. Control goes over the server's HTTP routes
@@ -19,12 +19,13 @@ Two implementations:
     :mod:`gymbridge.generation.weights`), as broadcasts of bounded flat buckets, packing the
     next bucket while the previous one is on the wire. The server answers an update with
     202 once it has checked the layout and is waiting for the buckets, and marks the
-    version loaded in the group's store; :meth:`DistributedPublisher.publish` returns after
+    version staged in the group's store; :meth:`DistributedPublisher.publish` returns after
     that mark;
   - ``shared_memory``: two ``/dev/shm`` segments (:mod:`gymbridge.generation.shared_weights`):
     the trainer copies the weights into the segment the generator is not using and the
-    server, answering the update, points its model at it. One copy, no socket. Only for a
-    CPU model and a server on this host;
+    server, answering the update, stages pointing its model at it. One copy, no socket. Only
+    for a CPU model and a server on this host. A write waits until the swap away from its
+    segment is live (only when the previous publication still waits for a generation to end);
   - ``auto`` (the default): ``shared_memory`` when the server's URL is a loopback address,
     the model is on the CPU and ``/dev/shm`` has room, falling back to ``broadcast`` (with
     a log line) when the server refuses the segments; ``broadcast`` otherwise.
@@ -35,10 +36,13 @@ the generator holds the same base and the same adapter layout (an in-process gen
 with them; a model server is told the adapter settings in ``init_group``'s ``lora`` and injects them).
 Every publisher reports the bytes of its last publication (``last_bytes``).
 
-Invariants: versions only go up (publishing an older version is refused); a publish either
-loads the whole version or raises :class:`~gymbridge.errors.WeightSyncError` (a generation
-never runs on half-copied weights: the receiver holds the generator's weights lock while it
-copies); a layout mismatch (names, shapes, dtypes) is refused before any tensor moves.
+Invariants: versions only go up (publishing an older version is refused); a publish stages the
+whole version without waiting for a running generation (but over the staging bound, or as above)
+or raises :class:`~gymbridge.errors.WeightSyncError`; the generator's
+:class:`~gymbridge.generation.weights.WeightGate` swaps it in at a generation boundary, so no
+generation runs on half-copied weights and every one starting after ``publish`` returned runs on
+it; a layout mismatch is refused before any tensor moves. The generator's ``policy_version``
+(``/weights/status``) is the live version.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import ipaddress
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 from urllib.parse import urlsplit
 
@@ -57,9 +62,11 @@ from gymbridge.generation.lora import published_names
 from gymbridge.generation.weights import (
     DEFAULT_ALONE_BYTES,
     DEFAULT_BUCKET_BYTES,
+    DEFAULT_STAGING_BYTES,
     Backend,
     BucketBuffers,
     TensorSpec,
+    WeightGate,
     WeightGroup,
     WeightTarget,
     bucket_into,
@@ -70,6 +77,7 @@ from gymbridge.generation.weights import (
     plan_buckets,
     published_weights,
     single_tensor,
+    weight_gate,
     weight_store,
 )
 
@@ -111,8 +119,16 @@ def copy_weights(source: Any, target: Any) -> int:
     cast to the receiver's floating dtype (fp32 master weights into a bf16 generator); names,
     shapes and every other dtype must match.
     """
-    from gymbridge.generation.weights import TensorSpec
+    named = _checked_named(source, target)
+    own = target.state_dict()
+    with torch.no_grad():
+        for name, tensor in named:
+            own[name].copy_(tensor)
+    return _nbytes(named)
 
+
+def _checked_named(source: Any, target: Any) -> list[tuple[str, torch.Tensor]]:
+    """``source``'s published entries, once :func:`copy_weights`'s layout check passed."""
     named = published_weights(source)
     partial = published_names(source) is not None  # LoRA: the base is never sent
     own = target.state_dict()
@@ -128,33 +144,99 @@ def copy_weights(source: Any, target: Any) -> int:
         raise WeightSyncError(
             "the generator's model does not match the trainer's: " + "; ".join(problems[:8])
         )
-    with torch.no_grad():
-        for name, tensor in named:
-            own[name].copy_(tensor)
-    return _nbytes(named)
+    return named
 
 
 class InProcessPublisher:
-    """Publish into a generator in this process that owns its own model (``HFGenerator``)."""
+    """Publish into a generator in this process that owns its own model (``HFGenerator``).
 
-    def __init__(self, generator: WeightTarget) -> None:
+    :meth:`publish` copies the trainer's weights into a staging copy (the generator's dtypes and
+    device; kept between publications: one extra copy of the published weights, at most
+    ``staging_bytes``), then stages the swap with the generator's
+    :class:`~gymbridge.generation.weights.WeightGate` and returns: a running generation ends on
+    the old weights, every generation starting later runs on ``version`` (the swap, a copy from
+    staging, happens in between). Over ``staging_bytes``, or for a generator with a plain lock, the
+    weights are copied into the live model under the lock (waiting for a running generation).
+    A generator sharing the trainer's model only has its version advanced (staged the same way).
+    """
+
+    def __init__(self, generator: WeightTarget, *, staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
         self.generator = generator
+        self.staging_bytes = staging_bytes
         self.syncs = 0
         self.last_bytes = 0
         """Bytes the last publication copied (0 when the generator shares the trainer's model)."""
+        self.version: int | None = None
+        """The last version published: live, or staged behind a running generation."""
+        self._staging: dict[str, torch.Tensor] = {}
 
     def publish(self, model: Any, version: int) -> float:
         started = time.perf_counter()
-        if version < self.generator.policy_version:
-            raise WeightSyncError(
-                f"policy version {version} is older than the generator's {self.generator.policy_version}"
-            )
-        with self.generator.weights_lock:
-            if self.generator.model is not model:
-                self.last_bytes = copy_weights(model, self.generator.model)
-            self.generator.policy_version = version
+        generator = self.generator
+        newest = max(generator.policy_version, self.version if self.version is not None else 0)
+        if version < newest:
+            raise WeightSyncError(f"policy version {version} is older than the generator's {newest}")
+        gate = weight_gate(generator)
+        swap = self._staged_swap(gate, model, version) if gate is not None else None
+        if gate is not None and swap is not None:
+            gate.stage(version, swap)
+        else:  # into the live model at a generation boundary
+            with generator.weights_lock:
+                if generator.model is not model:
+                    self.last_bytes = copy_weights(model, generator.model)
+                generator.policy_version = version
+        self.version = version
         self.syncs += 1
         return time.perf_counter() - started
+
+    def _staged_swap(self, gate: WeightGate, model: Any, version: int) -> Callable[[], None] | None:
+        """The swap loading ``model``'s weights as ``version`` from the staging, once they are in it;
+        ``None`` when the staging would exceed ``staging_bytes``."""
+        generator = self.generator
+        target = generator.model
+
+        def take_version() -> None:
+            generator.policy_version = version
+
+        if target is model:
+            return take_version
+        named = _checked_named(model, target)
+        own = target.state_dict()
+        if sum(own[n].numel() * own[n].element_size() for n, _ in named) > self.staging_bytes:
+            return None
+        gate.unstage(hold=True)  # a swap still pending reads the staging about to be overwritten
+        try:
+            staging = self._fill_staging(named, own)
+        except BaseException:
+            gate.release()
+            raise
+        self.last_bytes = _nbytes(named)
+
+        def swap() -> None:
+            live = target.state_dict()
+            with torch.no_grad():
+                for name, tensor in staging.items():
+                    live[name].copy_(tensor)
+            take_version()
+
+        return swap
+
+    def _fill_staging(
+        self, named: list[tuple[str, torch.Tensor]], own: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Copy ``named`` (the trainer's) into the staging, made like ``own`` (the generator's) when
+        the layout changed."""
+        staging = self._staging
+        if staging.keys() != {n for n, _ in named} or any(
+            (s.shape, s.dtype, s.device) != (own[n].shape, own[n].dtype, own[n].device)
+            for n, s in staging.items()
+        ):
+            self._staging = {}  # the old staging is freed before the new one is made
+            staging = self._staging = {n: torch.empty_like(own[n]) for n, _ in named}
+        with torch.no_grad():
+            for name, tensor in named:
+                staging[name].copy_(tensor)
+        return staging
 
     def close(self) -> None:
         return None
@@ -208,7 +290,9 @@ class DistributedPublisher:
     ``bucket_bytes`` bounds each broadcast; ``timeout_s`` bounds joining, each broadcast and
     each HTTP call. :attr:`transport` is the transport in use once connected;
     :attr:`last_timings` splits the last publish (``pack_send_s``: packing and broadcasting,
-    or copying into shared memory; ``load_s``: waiting for the server to load it).
+    or copying into shared memory; ``load_s``: waiting for the server to load it). ``secret`` is the
+    run secret the server's weight routes require: every call sends ``Authorization: Bearer <secret>``
+    (without it the server answers 401).
     """
 
     def __init__(
@@ -220,6 +304,7 @@ class DistributedPublisher:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = 120.0,
         transport: WeightTransport = "auto",
+        secret: str | None = None,
     ) -> None:
         import httpx
 
@@ -231,9 +316,12 @@ class DistributedPublisher:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.requested_transport: WeightTransport = transport
-        self.transport: Literal["broadcast", "shared_memory"] | None = None
-        """The transport in use (``None`` until connected)."""
-        self._http = httpx.Client(timeout=timeout_s, trust_env=False)
+        self.transport: Literal["broadcast", "shared_memory", "vllm"] | None = None
+        """The transport in use (``None`` until connected); ``vllm``: vLLM's own weight transfer
+        (:mod:`gymbridge.trainer.vllm_transfer`), chosen under ``auto`` when the server speaks it."""
+        self._vllm: Any = None
+        auth = {"Authorization": f"Bearer {secret}"} if secret else None  # kept in the client only
+        self._http = httpx.Client(timeout=timeout_s, trust_env=False, headers=auth)
         self._store: Any = None
         self._group: WeightGroup | None = None
         self._buffers: BucketBuffers | None = None
@@ -279,7 +367,16 @@ class DistributedPublisher:
 
     def connect(self, model: Any) -> None:
         """Set up the transport with the server (idempotent); the server checks the layout first."""
-        if self._group is not None or self._shared is not None:
+        if self._vllm is None and self.requested_transport == "auto" and self.status().get("vllm_transfer"):
+            from gymbridge.trainer.vllm_transfer import VLLMTransferPublisher, unsupported_reason
+
+            if unsupported_reason(model) is None:  # full weights on a GPU; else the transports below
+                self._vllm = VLLMTransferPublisher(
+                    self.url, host=self.host, timeout_s=self.timeout_s, http=self._http
+                )
+                self._vllm.connect(model)
+                self.transport = "vllm"
+        if self._group is not None or self._shared is not None or self._vllm is not None:
             return
         wanted = self.requested_transport
         if wanted == "shared_memory" or (
@@ -321,6 +418,8 @@ class DistributedPublisher:
         writer.unlink()  # both sides hold their mappings: nothing stays in /dev/shm
         self._shared = writer
         self._next_segment = 0
+        self._segment_versions: list[int | None] = [None, None]
+        """The version last written into each segment (``None``: never written)."""
         self.transport = "shared_memory"
         logger.info(
             "shared-memory weight sync with %s ready (%.1f MiB per segment)", self.url, writer.nbytes / 2**20
@@ -386,7 +485,10 @@ class DistributedPublisher:
             raise WeightSyncError(f"policy version {version} is older than the published {self.version}")
         self.connect(model)
         named = published_weights(model)
-        if self._shared is not None:
+        if self._vllm is not None:
+            self._vllm.publish(model, version)
+            self.last_timings = self._vllm.last_timings
+        elif self._shared is not None:
             self._publish_shared(named, version, started)
         else:
             self._publish_broadcast(named, version, started)
@@ -399,6 +501,11 @@ class DistributedPublisher:
     def _publish_shared(self, named: list[tuple[str, torch.Tensor]], version: int, started: float) -> None:
         writer = self._shared
         segment = self._next_segment
+        previous = self._segment_versions[1 - segment]
+        if self._segment_versions[segment] is not None and previous is not None:
+            # the generator may still read this segment: the swap away from it (the previous
+            # publication) waits for the generation in flight to end, and so must this write
+            self._wait_live(previous)
         writer.write(segment, [t for _, t in named])
         written = time.perf_counter()
         try:
@@ -410,8 +517,20 @@ class DistributedPublisher:
             # which segment the server uses is unknown now: set up afresh on the next publish
             self._drop_shared()
             raise
+        self._segment_versions[segment] = version
         self._next_segment = 1 - segment
         self.last_timings = {"pack_send_s": written - started, "load_s": time.perf_counter() - written}
+
+    def _wait_live(self, version: int) -> None:
+        """Until the server's live ``policy_version`` is ``version`` or newer (``timeout_s`` at most)."""
+        deadline = time.monotonic() + self.timeout_s
+        while int(self.status().get("policy_version", -1)) < version:
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"policy version {version} did not go live on {self.url} within {self.timeout_s:g}s "
+                    "(a generation running that long holds the segment the next version goes to)"
+                )
+            time.sleep(0.005)
 
     def _drop_shared(self) -> None:
         if self._shared is not None:
@@ -458,6 +577,9 @@ class DistributedPublisher:
             raise WeightSyncError(f"the server failed to load policy version {version}: {mark}")
 
     def close(self) -> None:
+        if self._vllm is not None:
+            self._vllm.close()
+            self._vllm = None
         if self._group is not None:
             self._group.close()
             self._group = None

@@ -30,7 +30,7 @@ from gymbridge.generation.weights import WeightReceiver, named_weights, publishe
 from gymbridge.models.tiny_families import TINY_FAMILIES, tiny_family_policy
 from gymbridge.models.tiny_vlm import TinyVLM, build_tiny_vlm
 from gymbridge.tensors import TrainBatch
-from gymbridge.testing.model_server import served_in_thread
+from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET, served_in_thread
 from gymbridge.trainer import GRPOConfig, GRPOTrainer, tiny_policy, token_logprobs
 from gymbridge.trainer.checkpoint import load_checkpoint, save_checkpoint
 from gymbridge.trainer.memory import ENCODER_NAMES
@@ -221,7 +221,7 @@ def test_a_model_server_takes_the_adapters_and_then_only_adapters_travel(
 ) -> None:
     url, _, gen = served
     trainer_model = lora_policy()
-    publisher = DistributedPublisher(url, timeout_s=30, transport=transport)
+    publisher = DistributedPublisher(url, timeout_s=30, transport=transport, secret=TESTING_WEIGHTS_SECRET)
     try:
         for version in (1, 2):
             kicked(trainer_model, version)
@@ -236,7 +236,9 @@ def test_a_model_server_takes_the_adapters_and_then_only_adapters_travel(
                 assert torch.equal(token_logprobs(gen.model, batch), token_logprobs(trainer_model, batch))
     finally:
         publisher.close()
-    full = DistributedPublisher(url, timeout_s=30, transport=transport)  # a full-weight trainer now
+    full = DistributedPublisher(
+        url, timeout_s=30, transport=transport, secret=TESTING_WEIGHTS_SECRET
+    )  # a full-weight trainer now
     try:
         with pytest.raises(WeightSyncError, match="holds LoRA adapters"):
             full.publish(tiny_policy(0), 3)

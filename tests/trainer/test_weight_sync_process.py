@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from hypothesis import strategies as st
 
 from gymbridge.errors import GeneratorProcessError, WeightSyncError
 from gymbridge.generation.hf import HFGenerator
-from gymbridge.generation.server import ModelServer, ModelServerConfig
+from gymbridge.generation.server import WEIGHTS_SECRET_ENV, ModelServer, ModelServerConfig
 from gymbridge.generation.types import SamplingConfig
 from gymbridge.generation.weights import plan_buckets
 from gymbridge.models.tiny_vlm import build_tiny_vlm
@@ -39,6 +40,10 @@ from gymbridge.trajectory.types import GenerationInput
 
 pytestmark = pytest.mark.integration
 
+SECRET = secrets.token_urlsafe(32)
+"""The child's run secret (its environment), which every weight call presents."""
+AUTH = {"Authorization": f"Bearer {SECRET}"}
+
 
 @pytest.fixture(scope="module")
 def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProcess]:
@@ -46,14 +51,16 @@ def child(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelServerProce
         seed=0, max_model_len=512, default_max_tokens=6, prompt_seed=None, enable_weight_updates=True
     )
     log = tmp_path_factory.mktemp("ms") / "model_server.log"
-    with start_model_server_process(cmd, log_path=log, startup_timeout_s=120) as proc:
+    with start_model_server_process(
+        cmd, log_path=log, startup_timeout_s=120, env={WEIGHTS_SECRET_ENV: SECRET}
+    ) as proc:
         yield proc
 
 
 @pytest.fixture(scope="module", params=["broadcast", "shared_memory"])
 def publisher(child: ModelServerProcess, request: pytest.FixtureRequest) -> Iterator[DistributedPublisher]:
     pub = DistributedPublisher(
-        child.url, bucket_bytes=256 * 1024, timeout_s=60, transport=request.param
+        child.url, bucket_bytes=256 * 1024, timeout_s=60, transport=request.param, secret=SECRET
     )  # several buckets
     try:
         yield pub
@@ -62,7 +69,7 @@ def publisher(child: ModelServerProcess, request: pytest.FixtureRequest) -> Iter
 
 
 def server_version(child: ModelServerProcess) -> int:
-    version: int = httpx.get(f"{child.url}/weights/status").json()["policy_version"]
+    version: int = httpx.get(f"{child.url}/weights/status", headers=AUTH).json()["policy_version"]
     return version
 
 
@@ -103,7 +110,7 @@ def test_published_weights_are_the_ones_the_child_generates_with(
     tokens, logprobs = asyncio.run(local_greedy(model, after["prompt_token_ids"]))
     assert after["generation_token_ids"] == tokens
     assert max(abs(a - b) for a, b in zip(after["generation_log_probs"], logprobs, strict=True)) < 1e-5
-    status = httpx.get(f"{child.url}/weights/status").json()
+    status = httpx.get(f"{child.url}/weights/status", headers=AUTH).json()
     assert status["policy_version"] == loaded + 1 and status["error"] is None
     assert status["transport"] == publisher.transport
 
@@ -130,14 +137,14 @@ def test_an_older_version_is_refused(child: ModelServerProcess, publisher: Distr
 
 
 def test_a_model_of_another_layout_is_refused_before_anything_moves(child: ModelServerProcess) -> None:
-    before = httpx.get(f"{child.url}/weights/status").json()["policy_version"]
-    other = DistributedPublisher(child.url, timeout_s=10)
+    before = httpx.get(f"{child.url}/weights/status", headers=AUTH).json()["policy_version"]
+    other = DistributedPublisher(child.url, timeout_s=10, secret=SECRET)
     try:
         with pytest.raises(WeightSyncError, match=r"400.*do not match"):
             other.publish(torch.nn.Linear(4, 4), before + 1)
     finally:
         other.close()
-    assert httpx.get(f"{child.url}/weights/status").json()["policy_version"] == before
+    assert httpx.get(f"{child.url}/weights/status", headers=AUTH).json()["policy_version"] == before
 
 
 async def test_weight_routes_are_refused_unless_enabled(tiny_gen: HFGenerator) -> None:
@@ -230,7 +237,7 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
     import time
 
     from gymbridge.generation.weights import WeightReceiver
-    from gymbridge.testing.model_server import served_in_thread
+    from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET, served_in_thread
 
     gen = HFGenerator(tiny_policy(0), build_tiny_vlm(0).processor, max_model_len=256)
     receiver = WeightReceiver(gen)
@@ -241,7 +248,9 @@ def test_a_server_that_cannot_join_is_reported_at_once_not_after_the_timeout() -
     receiver._join = unreachable  # type: ignore[method-assign]
     with served_in_thread(gen, receiver, timeout_s=30) as url:
         # the slow path: waiting out the join
-        publisher = DistributedPublisher(url, timeout_s=300, transport="broadcast")
+        publisher = DistributedPublisher(
+            url, timeout_s=300, transport="broadcast", secret=TESTING_WEIGHTS_SECRET
+        )
         started = time.monotonic()
         try:
             with pytest.raises(WeightSyncError, match=r"could not join the weight group.*127\.0\.0\.1:1"):

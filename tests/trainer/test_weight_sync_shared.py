@@ -23,7 +23,7 @@ from gymbridge.generation.shared_weights import (
 )
 from gymbridge.generation.weights import TensorSpec, WeightReceiver, named_weights
 from gymbridge.models.tiny_vlm import build_tiny_vlm
-from gymbridge.testing.model_server import served_in_thread
+from gymbridge.testing.model_server import TESTING_WEIGHTS_SECRET, served_in_thread
 from gymbridge.trainer.models import tiny_policy
 from gymbridge.trainer.weight_sync import DistributedPublisher, is_loopback_url
 
@@ -234,7 +234,7 @@ def test_auto_takes_shared_memory_on_this_host_and_leaves_no_file(
 ) -> None:
     url, receiver, gen = served
     before = our_files()
-    publisher = DistributedPublisher(url, timeout_s=30)
+    publisher = DistributedPublisher(url, timeout_s=30, secret=TESTING_WEIGHTS_SECRET)
     try:
         trainer = nudged(tiny_policy(0), 1)
         publisher.publish(trainer, 1)
@@ -258,7 +258,7 @@ def test_auto_falls_back_to_the_broadcast_when_the_server_refuses_the_segments(
         raise WeightSyncError("cannot open the shared-memory segment")
 
     monkeypatch.setattr(receiver, "attach_shared", elsewhere)
-    publisher = DistributedPublisher(url, timeout_s=30)
+    publisher = DistributedPublisher(url, timeout_s=30, secret=TESTING_WEIGHTS_SECRET)
     try:
         trainer = nudged(tiny_policy(0), 2)
         publisher.publish(trainer, 1)
@@ -269,7 +269,7 @@ def test_auto_falls_back_to_the_broadcast_when_the_server_refuses_the_segments(
         )
     finally:
         publisher.close()
-    forced = DistributedPublisher(url, timeout_s=30, transport="shared_memory")
+    forced = DistributedPublisher(url, timeout_s=30, transport="shared_memory", secret=TESTING_WEIGHTS_SECRET)
     try:
         with pytest.raises(WeightSyncError, match=r"400.*cannot open"):
             forced.publish(trainer, 2)
@@ -284,7 +284,9 @@ def test_shared_memory_then_broadcast_then_shared_memory_on_one_server(
     url, _, gen = served
     trainer = tiny_policy(0)
     for version, transport in enumerate(["shared_memory", "broadcast", "shared_memory"], start=1):
-        publisher = DistributedPublisher(url, timeout_s=30, transport=transport)  # type: ignore[arg-type]
+        publisher = DistributedPublisher(  # type: ignore[arg-type]
+            url, timeout_s=30, transport=transport, secret=TESTING_WEIGHTS_SECRET
+        )
         try:
             nudged(trainer, version)
             publisher.publish(trainer, version)
