@@ -495,8 +495,11 @@ class FleetManager:
         """Start replica ``index``'s process (in a worker thread) and record it."""
         from gymbridge.run.generator_process import start_model_server_process
 
+        command = self.commands[index]
+        if self.restart_attempts[index]:  # a new life draws new samples, not its first life's again
+            command = _reseeded(command, f"restart-{self.restart_attempts[index]}")
         child = start_model_server_process(
-            self.commands[index],
+            command,
             log_path=self.log_path(index),
             startup_timeout_s=self.startup_timeout_s,
             env=self.envs[index],
@@ -712,6 +715,27 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return False
 
 
+def _reseeded(command: Sequence[str], salt: str) -> list[str]:
+    """``command`` with its ``--prompt-seed`` (if any) replaced by a hash of (that seed, ``salt``)."""
+    import hashlib
+
+    one = list(command)
+    if "--prompt-seed" in one:
+        at = one.index("--prompt-seed") + 1
+        digest = hashlib.sha256(f"gymbridge-replica:{one[at]}:{salt}".encode()).digest()
+        one[at] = str(int.from_bytes(digest[:8], "big") >> 1)
+    return one
+
+
+def replica_commands(command: Sequence[str], replicas: int) -> list[list[str]]:
+    """``command`` for each replica, each with a prompt seed of its own (``--prompt-seed``): replica 0
+    keeps the run's, replica ``i`` gets a hash of ``(seed, i)`` (and a restarted one a hash of its
+    restart, :meth:`FleetManager._spawn`). The same seed everywhere would give every replica the same
+    per-prompt sample stream, so the G rollouts of a group split over two replicas would come in
+    identical pairs."""
+    return [list(command) if i == 0 else _reseeded(command, str(i)) for i in range(replicas)]
+
+
 async def start_fleet(
     cfg: GeneratorConfig,
     stack: contextlib.AsyncExitStack,
@@ -739,7 +763,7 @@ async def start_fleet(
             env["CUDA_VISIBLE_DEVICES"] = visible
         envs.append(env)
     manager = FleetManager(
-        [list(command)] * cfg.replicas,
+        replica_commands(command, cfg.replicas),
         envs,
         log_dir=log_dir,
         startup_timeout_s=cfg.startup_timeout_s,

@@ -257,3 +257,16 @@ def test_the_fleet_errors_in_the_tree() -> None:
     assert isinstance(floor, E.GeneratorProcessError) and isinstance(floor, E.TrainingError)
     assert (floor.healthy, floor.min_healthy, floor.replicas) == (0, 1, 2)
     assert all(c.__name__ in (E.__doc__ or "") for c in (E.GeneratorLostError, E.GeneratorFleetError))
+
+
+def test_regression_replicas_do_not_share_a_prompt_seed() -> None:
+    """Each replica seeds its per-prompt samples differently: one seed for all would give a group whose
+    G rollouts split over two replicas identical pairs of samples."""
+    from gymbridge.run.fleet import replica_commands
+
+    command = ["gymbridge", "model", "serve", "--tiny", "--prompt-seed", "7", "--port", "0"]
+    made = replica_commands(command, 3)
+    seeds = [c[c.index("--prompt-seed") + 1] for c in made]
+    assert seeds[0] == "7" and len(set(seeds)) == 3
+    assert all(c[:5] == command[:5] and c[6:] == command[6:] for c in made)
+    assert replica_commands(["serve", "--tiny"], 2) == [["serve", "--tiny"]] * 2  # nothing to vary
