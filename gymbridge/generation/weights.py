@@ -330,10 +330,19 @@ class WeightGroup:
 
 def weight_store(host: str, port: int, *, world_size: int, is_host: bool, timeout_s: float = 120.0) -> Any:
     """The ``TCPStore`` a weight group meets at: hosted by rank 0 (``port=0``: a free port, read
-    ``.port``), joined as a client by every other member (and by the model server's own process)."""
+    ``.port``), joined as a client by every other member (and by the model server's own process).
+
+    The host listens on ``host`` alone (torch's own store would listen on every interface): a run on
+    one machine exposes nothing beyond loopback."""
+    import socket
+
     from torch._C._distributed_c10d import TCPStore
 
     try:
+        listen_fd = None
+        if is_host:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listen_fd = socket.create_server((host, port), family=family).detach()
         return TCPStore(
             host,
             port,
@@ -341,6 +350,7 @@ def weight_store(host: str, port: int, *, world_size: int, is_host: bool, timeou
             is_master=is_host,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=listen_fd,
         )
     except (RuntimeError, ValueError) as exc:  # DistStoreError / DistNetworkError are RuntimeErrors
         raise WeightSyncError(

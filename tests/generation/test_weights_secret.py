@@ -247,3 +247,16 @@ def test_a_child_server_gets_the_secret_through_its_environment_only(tmp_path: P
         assert reply.status_code == 200 and reply.json()["output"][-1]["policy_version"] == 1
     text = log.read_text()
     assert "401" in text and secret not in text
+
+
+def test_regression_the_weight_store_listens_on_its_host_only() -> None:
+    """The trainer's weight-group store listened on every interface (torch's default); it binds its host."""
+    psutil = pytest.importorskip("psutil")
+    from gymbridge.generation.weights import weight_store
+
+    store = weight_store("127.0.0.1", 0, world_size=2, is_host=True, timeout_s=10)
+    client = weight_store("127.0.0.1", store.port, world_size=2, is_host=False, timeout_s=10)
+    client.set("k", b"v")
+    assert store.get("k") == b"v"
+    mine = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    assert [(a.ip, a.port) for a in mine if a.port == store.port] == [("127.0.0.1", store.port)]

@@ -93,6 +93,9 @@ def test_a_dp_run_s_own_ray_listens_on_loopback_with_token_auth(
     from gymbridge.trainer.ray_dp import RayDPTrainer
 
     assert not ray.is_initialized()
+    # what listened before the run is not the run's (an earlier test of this pytest worker may have
+    # left a server of its own in this process)
+    before = {(proc, addr) for proc, addrs in _listening(psutil).items() for addr in addrs}
     seen: dict[str, Any] = {}
     step = RayDPTrainer.step
 
@@ -126,7 +129,8 @@ def test_a_dp_run_s_own_ray_listens_on_loopback_with_token_auth(
     assert "gcs_server" in names and "raylet" in names and names.count("ray::DPWorker") == 2
     assert listening[next(k for k in listening if k.endswith(" raylet"))]  # the probe sees sockets
     outside = {
-        proc: [a for a in addrs if not _is_loopback(a.rsplit(":", 1)[0])] for proc, addrs in listening.items()
+        proc: [a for a in addrs if not _is_loopback(a.rsplit(":", 1)[0]) and (proc, a) not in before]
+        for proc, addrs in listening.items()
     }
     assert not any(outside.values()), {proc: addrs for proc, addrs in outside.items() if addrs}
     assert _is_loopback(seen["gcs"].rsplit(":", 1)[0])
