@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gymbridge.metrics.passk import headline, pass_majority_metrics, summary_lines
+    from gymbridge.metrics.passk import headline, pass_majority_metrics, summary_lines, vote_key
     from gymbridge.metrics.payload import (
         BOUNDARIES,
         BoundaryTotals,
@@ -35,6 +35,7 @@ _WHERE = {
     "headline": "passk",
     "pass_majority_metrics": "passk",
     "summary_lines": "passk",
+    "vote_key": "passk",
 }
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "payload_stats",
     "summary_lines",
     "timing_delta",
+    "vote_key",
 ]
 
 

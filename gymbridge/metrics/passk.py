@@ -35,7 +35,9 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["ScoreFn", "headline", "pass_majority_metrics", "summary_lines"]
+import orjson
+
+__all__ = ["ScoreFn", "headline", "pass_majority_metrics", "summary_lines", "vote_key"]
 
 ScoreFn = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 """One result -> its named scores (numbers or bools)."""
@@ -47,6 +49,18 @@ STD_ERR_SUFFIX = "/std_err_across_runs"
 _KEY = re.compile(
     r"^(?:pass@(?P<pass>\d+)|pass@1\[avg-of-(?P<avg>\d+)\]|majority@(?P<maj>\d+))/(?P<name>.+)$"
 )
+
+
+def vote_key(answer: object) -> Hashable | None:
+    """An answer as a majority vote compares it: a hashable one as it is, a list or object answer by
+    its canonical JSON (NeMo Gym's vote needs hashable answers; callers normalise before scoring)."""
+    if isinstance(answer, Hashable):
+        try:
+            hash(answer)  # a tuple may still hold a list
+            return answer
+        except TypeError:
+            pass
+    return orjson.dumps(answer, default=str, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def _reward_score(result: Mapping[str, Any]) -> Mapping[str, Any]:

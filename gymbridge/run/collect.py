@@ -43,7 +43,7 @@ from typing import IO, Any
 import orjson
 
 from gymbridge.errors import ConfigError
-from gymbridge.metrics.passk import pass_majority_metrics, summary_lines
+from gymbridge.metrics.passk import pass_majority_metrics, summary_lines, vote_key
 
 __all__ = ["CollectSummary", "add_collect_arguments", "collect"]
 
@@ -89,7 +89,7 @@ class _TaskScores:
     ) -> None:
         answer = None
         if self.answer_key is not None and result is not None:
-            answer = _vote_key(result.get(self.answer_key))
+            answer = vote_key(result.get(self.answer_key))
         self._by_task.setdefault(task_index, {})[rollout_index] = (reward, answer)
 
     def __len__(self) -> int:
@@ -101,17 +101,6 @@ class _TaskScores:
             for _, rollouts in sorted(self._by_task.items())
         ]
         return pass_majority_metrics(tasks, answer_key=None if self.answer_key is None else self._ANSWER)
-
-
-def _vote_key(answer: object) -> Hashable | None:
-    """The answer as a majority vote compares it: a list or object answer by its canonical JSON."""
-    if isinstance(answer, Hashable):
-        try:
-            hash(answer)  # a tuple may still hold a list
-            return answer
-        except TypeError:
-            pass
-    return orjson.dumps(answer, default=str, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def _failures_path(out: Path) -> Path:

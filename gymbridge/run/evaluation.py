@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from gymbridge.errors import ConfigError
+from gymbridge.metrics.passk import vote_key
 
 if TYPE_CHECKING:
     from gymbridge.bridge import RolloutRecord, RolloutSource
@@ -116,13 +117,6 @@ def _versions(result: Mapping[str, Any]) -> set[int]:
         for item in (items if isinstance(items, list) else [])
         if isinstance(item, dict) and isinstance(item.get("policy_version"), int)
     }
-
-
-def _vote(answer: Any) -> Any:
-    """An answer as a majority vote counts it: structured answers (lists, objects) by their sorted JSON."""
-    if isinstance(answer, (list, dict)):
-        return orjson.dumps(answer, option=orjson.OPT_SORT_KEYS).decode()
-    return answer
 
 
 def env_of(row: Mapping[str, Any], default: str) -> str:
@@ -292,7 +286,7 @@ async def evaluate(
                 continue
             versions |= _versions(rec.result or {})
             scored.append(
-                {"reward": line["reward"]} | ({answer_key: _vote(line["answer"])} if answer_key else {})
+                {"reward": line["reward"]} | ({answer_key: vote_key(line["answer"])} if answer_key else {})
             )
         total.add(scored, failed)
         per_env.setdefault(env, _Tally()).add(scored, failed)
