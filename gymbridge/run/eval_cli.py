@@ -154,13 +154,12 @@ async def evaluate_config(
     from gymbridge.metrics import PayloadMeter
     from gymbridge.run.evaluation import EvalPass, eval_rows, evaluate
     from gymbridge.run.model import pick_model
-    from gymbridge.run.recipe import GRPORun, episode_turns
+    from gymbridge.run.recipe import episode_turns, resolve_run_env, spec_modalities
     from gymbridge.run.services import start_services
 
-    spec = GRPORun(cfg, callbacks=[])._resolve_env()
+    spec = resolve_run_env(cfg)
     rows = eval_rows(cfg, spec)
-    modalities = tuple(spec.modalities) if spec is not None and hasattr(spec, "modalities") else ("image",)
-    model = pick_model(cfg.model.name, cfg.model.seed, modalities, cfg.model.backend)
+    model = pick_model(cfg.model.name, cfg.model.seed, spec_modalities(spec), cfg.model.backend)
     version = 0
     if checkpoint is not None:
         version = await asyncio.to_thread(load_checkpoint_weights, model, checkpoint)

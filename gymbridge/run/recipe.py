@@ -73,7 +73,7 @@ if TYPE_CHECKING:
     from gymbridge.tensors import TrainBatch
     from gymbridge.trainer import GRPOTrainer, StepMetrics
 
-__all__ = ["GRPORun", "ResumeMode", "episode_turns", "train"]
+__all__ = ["GRPORun", "ResumeMode", "episode_turns", "resolve_run_env", "spec_modalities", "train"]
 
 ResumeMode = Literal["never", "must", "allow"]
 """``never``: a fresh run; ``must``: continue from the newest checkpoint or refuse; ``allow``: continue
@@ -264,23 +264,8 @@ class GRPORun:
             self.run_dir.write_config(cfg.model_dump(mode="json"))
 
     def _resolve_env(self) -> Any:
-        """The environment's spec; an :class:`~gymbridge.run.userenv.EnvMix` for ``env.mix``; ``None``
-        when agents of the user's own hold the environments (``env.agent_url``, ``env.head_url``)."""
-        from gymbridge.run.userenv import resolve_env, resolve_mix
-
-        cfg = self.config
-        if cfg.env.agent_url is not None or cfg.env.head_url is not None:
-            return None
-        if cfg.env.mix:
-            return resolve_mix(cfg.env)
-        if cfg.env.name is None:
-            raise ConfigError(
-                [
-                    "env.name: what to train on: --env NAME|module:Class, or --agent-url URL (or "
-                    "--head-url URL, or env.mix)"
-                ]
-            )
-        return resolve_env(cfg.env.name)
+        """The environment's spec (:func:`resolve_run_env`)."""
+        return resolve_run_env(self.config)
 
     def _setup_data(self, spec: Any) -> None:
         from gymbridge.run.data import resume_dataset, write_run_dataset
@@ -312,8 +297,7 @@ class GRPORun:
         cfg = self.config
         if cfg.model.backend == "vllm":
             require_vllm()
-        modalities = tuple(spec.modalities) if spec is not None else ("image",)
-        self.model = pick_model(cfg.model.name, cfg.model.seed, modalities, cfg.model.backend)
+        self.model = pick_model(cfg.model.name, cfg.model.seed, spec_modalities(spec), cfg.model.backend)
         origin = "random weights, offline" if self.model.tiny else "local directory"
         self.say(f"model: {self.model.name} ({origin})")
         _check_suppressed(cfg.trainer.suppress_token_ids, self.model.policy.config)
@@ -857,6 +841,32 @@ class GRPORun:
     def _close_callbacks(self) -> None:
         for cb in self.callbacks:
             cb.close()
+
+
+def resolve_run_env(config: RunConfig) -> Any:
+    """What ``config`` trains on: the environment's spec, an :class:`~gymbridge.run.userenv.EnvMix` for
+    ``env.mix``, ``None`` when agents of the user's own hold the environments (``env.agent_url``,
+    ``env.head_url``)."""
+    from gymbridge.run.userenv import resolve_env, resolve_mix
+
+    if config.env.agent_url is not None or config.env.head_url is not None:
+        return None
+    if config.env.mix:
+        return resolve_mix(config.env)
+    if config.env.name is None:
+        raise ConfigError(
+            [
+                "env.name: what to train on: --env NAME|module:Class, or --agent-url URL (or "
+                "--head-url URL, or env.mix)"
+            ]
+        )
+    return resolve_env(config.env.name)
+
+
+def spec_modalities(spec: Any) -> tuple[str, ...]:
+    """The media the model must take for ``spec`` (:func:`resolve_run_env`'s): its modalities, images
+    when agents of the user's own hold the environment."""
+    return tuple(spec.modalities) if spec is not None else ("image",)
 
 
 def episode_turns(config: RunConfig, spec: Any) -> int:
