@@ -368,7 +368,7 @@ class Validation:
             answer_key=e.answer_key,
             concurrency=concurrency,
         )
-        rel = f"eval/step_{step}.jsonl"
+        rel = str((self.run_dir.eval_dir / f"step_{step}.jsonl").relative_to(self.run_dir.path))
         record = {
             "step": step,
             "policy_version": version,
