@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     from gymbridge.run.config import RunConfig
     from gymbridge.trainer.export import ModelParts
 
-__all__ = ["add_export_arguments", "add_smoke_commands", "add_train_arguments", "run_model_parts"]
+__all__ = [
+    "add_config_arguments",
+    "add_export_arguments",
+    "add_smoke_commands",
+    "add_train_arguments",
+    "run_model_parts",
+]
 
 SMOKE_CONFIG = "smoke"
 """The overlay ``gymbridge smoke run`` uses when given no ``--config``."""
@@ -51,22 +57,10 @@ SMOKE_CONFIG = "smoke"
 def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
     """The run's options, on any parser (``smoke``: the alias's help texts)."""
     default = f" (default: {SMOKE_CONFIG})" if smoke else ""
-    parser.add_argument(
-        "--config",
-        dest="configs",
-        action="append",
-        default=[],
-        metavar="NAME|FILE",
-        help=f"a shipped overlay's name or a YAML file; repeat to stack overlays in order{default}",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        type=parse_override,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config key (dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
+    add_config_arguments(
+        parser,
+        config_help=f"a shipped overlay's name or a YAML file; repeat to stack overlays in order{default}",
+        set_help="override any config key (dotted, YAML-typed), e.g. --set trainer.lr=1e-3",
     )
     parser.add_argument(
         "--env", default=None, help="environment: a name (gymbridge env list) or module:Class (your server)"
@@ -120,6 +114,22 @@ def add_run_arguments(parser: argparse.ArgumentParser, *, smoke: bool) -> None:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.set_defaults(func=_cmd_smoke if smoke else _cmd_train, smoke=smoke)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, config_help: str, set_help: str) -> None:
+    """``--config NAME|FILE`` (repeatable: ``configs``) and ``--set KEY=VALUE`` (``overrides``)."""
+    parser.add_argument(
+        "--config", dest="configs", action="append", default=[], metavar="NAME|FILE", help=config_help
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        type=parse_override,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=set_help,
+    )
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:

@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from gymbridge.config import parse_override
 from gymbridge.errors import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
@@ -47,6 +46,8 @@ __all__ = ["add_eval_arguments", "evaluate_agent", "evaluate_config", "load_chec
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     """``gymbridge eval``'s options (the ``gymbridge.cli`` hook)."""
+    from gymbridge.run.cli import add_config_arguments
+
     parser.description = __doc__.split("\n\n")[0] if __doc__ else None
     parser.add_argument(
         "run_dir", metavar="RUN_DIR", type=Path, nargs="?", default=None, help="a run directory to evaluate"
@@ -64,22 +65,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--answer-key", default=None, help="result field of the extracted answer (majority@k)"
     )
-    parser.add_argument(
-        "--config",
-        dest="configs",
-        action="append",
-        default=[],
-        metavar="NAME|FILE",
-        help="run overlays (--model)",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        type=parse_override,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a run config key (--model, --env), e.g. --set rollout.max_tokens=64",
+    add_config_arguments(
+        parser,
+        config_help="run overlays (--model)",
+        set_help="override a run config key (--model, --env), e.g. --set rollout.max_tokens=64",
     )
     parser.add_argument("--out", type=Path, default=None, metavar="FILE.json", help="write the pass's record")
     parser.add_argument(
