@@ -119,9 +119,6 @@ class EnvMix:
         """Whether every environment generates rows (a ``module:Class`` one does not)."""
         return all(e.has_generator for e in self.envs)
 
-    def by_label(self) -> dict[str, MixedEnv]:
-        return {e.label: e for e in self.envs}
-
 
 def resolve_mix(env: EnvConfig) -> EnvMix:
     """``env.mix`` as an :class:`EnvMix` (each name resolved as :func:`resolve_env` does)."""
